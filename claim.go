@@ -1,0 +1,123 @@
+// claim.go: taking pending rows for every stage with free capacity, in one statement.
+//
+// The claim is the only pending->running writer, and there is exactly one claimer per system
+// (instance.go), so it needs no FOR UPDATE SKIP LOCKED: each stage's LATERAL subquery walks
+// the partial index of pending rows in id order and stops at that stage's free capacity. The
+// claim token (one sequence value per statement) goes into every claimed row; the dispatcher's
+// later writes to those rows are guarded by it. The statement also returns the earliest due
+// time of paused rows, so retry scheduling costs no query of its own.
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/lib/pq"
+)
+
+// claimSQL takes up to cap pending rows per stage. $1 = stage names, $2 = capacities.
+// The UPDATE repeats status = 'pending' so that a row changed by someone else between the
+// scan and the update (an operator, say) is re-checked under READ COMMITTED, not overwritten.
+// The final row of the result (workqueue_id NULL) carries the earliest paused retry_at.
+const claimSQL = `
+WITH caps AS (
+    SELECT c.stage, c.cap FROM unnest($1::text[], $2::int[]) AS c(stage, cap)
+), picked AS (
+    SELECT p.workqueue_id
+      FROM caps CROSS JOIN LATERAL (
+            SELECT q.workqueue_id FROM workqueue q
+             WHERE q.status = 'pending' AND q.stage = caps.stage
+             ORDER BY q.workqueue_id
+             LIMIT caps.cap) p
+), claimed AS (
+    UPDATE workqueue q
+       SET status = 'running', claim = (SELECT nextval('workqueue_claim_seq')), claimed_at = now()
+      FROM picked
+     WHERE q.workqueue_id = picked.workqueue_id AND q.status = 'pending'
+    RETURNING q.workqueue_id, q.stage, q.claim, q.attempts, q.fanout_id
+)
+SELECT workqueue_id, stage, claim, attempts, fanout_id, NULL::timestamptz FROM claimed
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused')`
+
+// claimResult is what one claim returned.
+type claimResult struct {
+	byStage   map[string][]*message // claimed rows per stage, in id order
+	total     int
+	nextRetry time.Time // earliest paused row's due time; zero if none
+}
+
+// claimer runs the claim statement on the lock connection, prepared once per connection.
+type claimer struct {
+	stmt *sql.Stmt
+	conn *sql.Conn // the connection stmt was prepared on
+
+	// Reused between claims: the claim loop runs once per burst of replies, so these
+	// slices would otherwise be garbage every time.
+	names []string
+	caps  []int64
+}
+
+// claim takes up to want[stage] rows per stage.
+func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]int) (claimResult, error) {
+	res := claimResult{byStage: map[string][]*message{}}
+	if cl.conn != conn || cl.stmt == nil {
+		if cl.stmt != nil {
+			cl.stmt.Close() // prepared on a connection that is gone
+		}
+		stmt, err := conn.PrepareContext(ctx, claimSQL)
+		if err != nil {
+			cl.stmt, cl.conn = nil, nil
+			return res, fmt.Errorf("prepare claim: %w", err)
+		}
+		cl.stmt, cl.conn = stmt, conn
+	}
+	cl.names, cl.caps = cl.names[:0], cl.caps[:0]
+	for name, n := range want {
+		if n > 0 {
+			cl.names = append(cl.names, name)
+			cl.caps = append(cl.caps, int64(n))
+		}
+	}
+	rows, err := cl.stmt.QueryContext(ctx, pq.Array(cl.names), pq.Array(cl.caps))
+	if err != nil {
+		return res, fmt.Errorf("claim: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var id, claim, attempts, fanout sql.NullInt64
+		var stage sql.NullString
+		var next sql.NullTime
+		if err := rows.Scan(&id, &stage, &claim, &attempts, &fanout, &next); err != nil {
+			return res, fmt.Errorf("claim: read row: %w", err)
+		}
+		if !id.Valid {
+			if next.Valid {
+				res.nextRetry = next.Time
+			}
+			continue
+		}
+		m := &message{id: id.Int64, stage: stage.String, claim: claim.Int64,
+			attempts: int(attempts.Int64), fanout: fanout.Int64}
+		res.byStage[m.stage] = append(res.byStage[m.stage], m)
+		res.total++
+	}
+	if err := rows.Err(); err != nil {
+		return res, fmt.Errorf("claim: %w", err)
+	}
+	// RETURNING has no order; workers get their messages in id (enqueue) order.
+	for _, msgs := range res.byStage {
+		slices.SortFunc(msgs, func(a, b *message) int { return int(a.id - b.id) })
+	}
+	return res, nil
+}
+
+func (cl *claimer) close() {
+	if cl.stmt != nil {
+		cl.stmt.Close()
+		cl.stmt, cl.conn = nil, nil
+	}
+}

@@ -1,0 +1,472 @@
+// conf.go: the configuration file, the database overlay and the stage graph.
+//
+// It owns parsing (a small INI dialect), defaults, validation and the merge of the `config`
+// table over the file's [stage-*] sections. It reads files and rows it is given; it never opens
+// a database connection itself. Every mistake is reported once, at load time, as
+// "FILE:LINE: KEY: what is wrong", so an operator can fix the file without reading code.
+package main
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Defaults of the [pepsi-dispatch] and [stage-*] keys (dispatch.md, fanin.md).
+const (
+	maxRuntimeDefault        = 300 * time.Second
+	workerIdleTimeoutDefault = 5 * time.Second
+	pollIntervalDefault      = 30 * time.Second
+	statsIntervalDefault     = 60 * time.Second
+	shutdownGraceDefault     = 10 * time.Second
+	dbPoolSizeDefault        = 8
+	userDefault              = "pepsi"
+	configFileDefault        = "/etc/pepsi/pepsi.conf"
+
+	parallelismDefault = 4
+	queueLimitDefault  = 4
+	maxMessagesDefault = 1000
+	maxAttemptsDefault = 5
+	retryDelayDefault  = 30 * time.Second
+
+	// queueLimitMax bounds QUEUE_LIMIT so that a worker's whole pipeline of ids (at most
+	// 21 bytes each) always fits in a pipe buffer (64 KiB on Linux): the coordinator's write
+	// to a worker's stdin then never blocks, whatever the worker does.
+	queueLimitMax = 1000
+)
+
+// Config is one loaded configuration: the file plus, for stages, the database overlay.
+// It is immutable once loaded; a reload builds a new one.
+type Config struct {
+	Path string // the file it was read from
+
+	DSN         string // [database] DSN
+	Dispatch    DispatchConfig
+	Stages      map[string]*StageConfig
+	PoolCounter PoolCounterConfig
+
+	// file keeps the file's [stage-*] entries so that a reload can merge a new overlay
+	// over the same file without re-reading it (a reload re-reads it: see loadStages).
+	stageEntries []iniEntry
+}
+
+// DispatchConfig is the [pepsi-dispatch] section. It is read once at start-up; a reload
+// never changes it (the process must be restarted).
+type DispatchConfig struct {
+	MaxRuntime        time.Duration // a head message unanswered this long is a timeout
+	WorkerIdleTimeout time.Duration // an idle worker is stopped after this long
+	PollInterval      time.Duration // heartbeat claim when no notification arrives
+	StatsInterval     time.Duration // statistics flush period
+	ShutdownGrace     time.Duration // how long workers may finish their pipeline at shutdown
+	DBPoolSize        int           // connections for the dispatcher's own writes
+	ConfigFile        string        // passed to workers as -c; "" passes nothing
+	User              string        // account to drop to when started as root
+	MetricsListen     string        // host:port of the /metrics endpoint; "" = off
+	Retention         time.Duration // delete done rows older than this; 0 = keep
+}
+
+// PoolCounterConfig is the [poolcounter] section: the lock service is off unless Listen is set.
+type PoolCounterConfig struct {
+	Listen string
+}
+
+// StageConfig is one [stage-NAME] section after the overlay was applied.
+type StageConfig struct {
+	Name        string
+	Program     string
+	Next        []string
+	Parallelism int           // at most this many worker processes
+	QueueLimit  int           // ids pipelined to one worker at once
+	MaxMessages int           // a worker is recycled after this many messages
+	MaxAttempts int           // failures before a message is marked failed
+	RetryDelay  time.Duration // first retry delay, doubled per failed attempt
+	Fuse        bool          // a predecessor's worker may run this stage in its own pass
+
+	origin map[string]string // key (and "" for the section) -> "FILE:LINE" for errors
+}
+
+// Capacity is the number of messages the stage may have in flight.
+func (s *StageConfig) Capacity() int { return s.Parallelism * s.QueueLimit }
+
+// equal reports whether two stage configurations would run workers identically.
+func (s *StageConfig) equal(o *StageConfig) bool {
+	return s.Name == o.Name && s.Program == o.Program && slices.Equal(s.Next, o.Next) &&
+		s.Parallelism == o.Parallelism && s.QueueLimit == o.QueueLimit &&
+		s.MaxMessages == o.MaxMessages && s.MaxAttempts == o.MaxAttempts &&
+		s.RetryDelay == o.RetryDelay && s.Fuse == o.Fuse
+}
+
+// configError is an operator mistake in the file or the overlay; start-up maps it to exit 2.
+type configError struct {
+	Where string // "FILE:LINE" or "config table"
+	Key   string // the key, or "[section]"
+	Msg   string
+}
+
+func (e *configError) Error() string {
+	if e.Key == "" {
+		return fmt.Sprintf("%s: %s", e.Where, e.Msg)
+	}
+	return fmt.Sprintf("%s: %s: %s", e.Where, e.Key, e.Msg)
+}
+
+// iniEntry is one KEY = value line of a section.
+type iniEntry struct {
+	Section string
+	Key     string
+	Value   string
+	Where   string // FILE:LINE
+}
+
+// iniMaxLine bounds one line, so a binary file given by mistake fails fast and clearly.
+const iniMaxLine = 64 << 10
+
+// parseINI reads the INI dialect of pepsi.conf: [section] headers, KEY = value lines,
+// '#' and ';' comment lines and blank lines; surrounding spaces are trimmed. Lines of sections
+// that are not ours are returned unchecked (they belong to other programs), except that every
+// line must still be a header, a comment, a blank or contain '='.
+// A section header alone is returned as an entry with an empty Key, so that empty sections
+// and their line numbers are known.
+func parseINI(name string, r io.Reader) ([]iniEntry, error) {
+	var out []iniEntry
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 4096), iniMaxLine)
+	section := ""
+	seen := map[string]string{} // section + "\x00" + key -> where
+	for n := 1; sc.Scan(); n++ {
+		where := fmt.Sprintf("%s:%d", name, n)
+		line := strings.TrimSpace(sc.Text())
+		switch {
+		case line == "" || line[0] == '#' || line[0] == ';':
+			continue
+		case line[0] == '[':
+			if !strings.HasSuffix(line, "]") {
+				return nil, &configError{where, "", fmt.Sprintf("section header %q lacks its closing ']'", line)}
+			}
+			section = strings.TrimSpace(line[1 : len(line)-1])
+			if section == "" {
+				return nil, &configError{where, "", "empty section name"}
+			}
+			out = append(out, iniEntry{Section: section, Where: where})
+			continue
+		}
+		key, value, ok := strings.Cut(line, "=")
+		if !ok {
+			if ours(section) {
+				return nil, &configError{where, "", fmt.Sprintf("expected KEY = value, got %q", line)}
+			}
+			continue
+		}
+		if section == "" {
+			return nil, &configError{where, strings.TrimSpace(key), "key outside any [section]"}
+		}
+		key, value = strings.TrimSpace(key), strings.TrimSpace(value)
+		if !ours(section) {
+			continue
+		}
+		if !validKey(key) {
+			return nil, &configError{where, key, "keys are upper-case letters, digits and '_'"}
+		}
+		id := section + "\x00" + key
+		if first, dup := seen[id]; dup {
+			return nil, &configError{where, key, fmt.Sprintf("set twice in [%s] (first at %s)", section, first)}
+		}
+		seen[id] = where
+		out = append(out, iniEntry{Section: section, Key: key, Value: value, Where: where})
+	}
+	if err := sc.Err(); err != nil {
+		if errors.Is(err, bufio.ErrTooLong) {
+			return nil, &configError{name, "", fmt.Sprintf("a line is longer than %d bytes", iniMaxLine)}
+		}
+		return nil, fmt.Errorf("read %s: %w", name, err)
+	}
+	return out, nil
+}
+
+// ours reports whether a section belongs to pepsi-dispatch (its keys are checked).
+func ours(section string) bool {
+	switch section {
+	case "database", "pepsi-dispatch", "poolcounter":
+		return true
+	}
+	return strings.HasPrefix(section, "stage-")
+}
+
+func validKey(k string) bool {
+	if k == "" {
+		return false
+	}
+	for _, c := range k {
+		if !(c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_') {
+			return false
+		}
+	}
+	return true
+}
+
+var stageNameRe = regexp.MustCompile(`^[a-z0-9_-]+$`)
+
+// loadConfig reads and validates the file. The stage graph is validated without the
+// overlay; loadStages applies the overlay and validates again.
+func loadConfig(path string) (*Config, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, &configError{path, "", fmt.Sprintf("cannot open: %v", errors.Unwrap(err))}
+	}
+	defer f.Close()
+	entries, err := parseINI(path, f)
+	if err != nil {
+		return nil, err
+	}
+	cfg := &Config{
+		Path: path,
+		Dispatch: DispatchConfig{
+			MaxRuntime:        maxRuntimeDefault,
+			WorkerIdleTimeout: workerIdleTimeoutDefault,
+			PollInterval:      pollIntervalDefault,
+			StatsInterval:     statsIntervalDefault,
+			ShutdownGrace:     shutdownGraceDefault,
+			DBPoolSize:        dbPoolSizeDefault,
+			User:              userDefault,
+		},
+	}
+	for _, e := range entries {
+		if e.Key == "" {
+			if strings.HasPrefix(e.Section, "stage-") {
+				cfg.stageEntries = append(cfg.stageEntries, e)
+			}
+			continue
+		}
+		switch {
+		case e.Section == "database":
+			if e.Key != "DSN" {
+				return nil, &configError{e.Where, e.Key, "unknown key in [database] (known: DSN)"}
+			}
+			cfg.DSN = e.Value
+		case e.Section == "pepsi-dispatch":
+			if err := cfg.Dispatch.set(e); err != nil {
+				return nil, err
+			}
+		case e.Section == "poolcounter":
+			if e.Key != "LISTEN" {
+				return nil, &configError{e.Where, e.Key, "unknown key in [poolcounter] (known: LISTEN)"}
+			}
+			if _, _, ok := strings.Cut(e.Value, ":"); !ok {
+				return nil, &configError{e.Where, e.Key, fmt.Sprintf("want host:port, got %q", e.Value)}
+			}
+			cfg.PoolCounter.Listen = e.Value
+		default:
+			cfg.stageEntries = append(cfg.stageEntries, e)
+		}
+	}
+	cfg.Stages, err = buildStages(cfg.stageEntries, nil)
+	if err != nil {
+		return nil, err
+	}
+	if len(cfg.Stages) > 0 && cfg.DSN == "" {
+		return nil, &configError{path, "DSN", "[database] DSN is required when stages are configured"}
+	}
+	return cfg, nil
+}
+
+func (d *DispatchConfig) set(e iniEntry) error {
+	var err error
+	switch e.Key {
+	case "MAX_RUNTIME":
+		d.MaxRuntime, err = parsePositiveDuration(e.Value)
+	case "WORKER_IDLE_TIMEOUT":
+		d.WorkerIdleTimeout, err = parsePositiveDuration(e.Value)
+	case "POLL_INTERVAL":
+		d.PollInterval, err = parsePositiveDuration(e.Value)
+	case "STATS_INTERVAL":
+		d.StatsInterval, err = parsePositiveDuration(e.Value)
+	case "SHUTDOWN_GRACE":
+		d.ShutdownGrace, err = parseDuration(e.Value)
+	case "RETENTION":
+		d.Retention, err = parseDuration(e.Value)
+	case "DB_POOL_SIZE":
+		d.DBPoolSize, err = parseCount(e.Value, 2, 1000)
+	case "CONFIG_FILE":
+		d.ConfigFile = e.Value
+	case "USER":
+		if e.Value == "" {
+			err = errors.New("must name an account")
+		}
+		d.User = e.Value
+	case "METRICS_LISTEN":
+		if _, _, ok := strings.Cut(e.Value, ":"); !ok {
+			err = fmt.Errorf("want host:port, got %q", e.Value)
+		}
+		d.MetricsListen = e.Value
+	default:
+		err = errors.New("unknown key in [pepsi-dispatch]")
+	}
+	if err != nil {
+		return &configError{e.Where, e.Key, err.Error()}
+	}
+	return nil
+}
+
+// overlayRow is one row of the `config` table.
+type overlayRow struct{ Section, Key, Value string }
+
+// buildStages builds the stage table from the file's [stage-*] entries with the overlay rows
+// applied over them (an overlay row may define a stage the file lacks), then validates the
+// graph. Rows of sections other than [stage-*] are ignored: [pepsi-dispatch] is not reloaded.
+func buildStages(file []iniEntry, overlay []overlayRow) (map[string]*StageConfig, error) {
+	stages := map[string]*StageConfig{}
+	get := func(section, where string) (*StageConfig, error) {
+		name := strings.TrimPrefix(section, "stage-")
+		if s, ok := stages[name]; ok {
+			return s, nil
+		}
+		if !stageNameRe.MatchString(name) {
+			return nil, &configError{where, "[" + section + "]", "stage names are [a-z0-9_-]+"}
+		}
+		s := &StageConfig{
+			Name:        name,
+			Parallelism: parallelismDefault,
+			QueueLimit:  queueLimitDefault,
+			MaxMessages: maxMessagesDefault,
+			MaxAttempts: maxAttemptsDefault,
+			RetryDelay:  retryDelayDefault,
+			origin:      map[string]string{"": where},
+		}
+		stages[name] = s
+		return s, nil
+	}
+	apply := func(section, key, value, where string) error {
+		s, err := get(section, where)
+		if err != nil || key == "" {
+			return err
+		}
+		if err := s.set(key, value); err != nil {
+			return &configError{where, key, err.Error()}
+		}
+		s.origin[key] = where
+		return nil
+	}
+	for _, e := range file {
+		if err := apply(e.Section, e.Key, e.Value, e.Where); err != nil {
+			return nil, err
+		}
+	}
+	for _, r := range overlay {
+		if !strings.HasPrefix(r.Section, "stage-") {
+			continue
+		}
+		where := fmt.Sprintf("config table (section %q)", r.Section)
+		if !validKey(r.Key) {
+			return nil, &configError{where, r.Key, "keys are upper-case letters, digits and '_'"}
+		}
+		if err := apply(r.Section, r.Key, r.Value, where); err != nil {
+			return nil, err
+		}
+	}
+	if err := validateGraph(stages); err != nil {
+		return nil, err
+	}
+	return stages, nil
+}
+
+func (s *StageConfig) set(key, value string) error {
+	var err error
+	switch key {
+	case "PROGRAM":
+		if value == "" {
+			return errors.New("must name a program")
+		}
+		s.Program = value
+	case "NEXT":
+		s.Next = strings.Fields(value)
+	case "PARALLELISM":
+		s.Parallelism, err = parseCount(value, 1, 10000)
+	case "QUEUE_LIMIT":
+		s.QueueLimit, err = parseCount(value, 1, queueLimitMax)
+	case "MAX_MESSAGES":
+		s.MaxMessages, err = parseCount(value, 1, 1<<31-1)
+	case "MAX_ATTEMPTS":
+		s.MaxAttempts, err = parseCount(value, 1, 1000)
+	case "RETRY_DELAY":
+		s.RetryDelay, err = parseDuration(value)
+	case "FUSE":
+		s.Fuse, err = parseBool(value)
+	default:
+		return fmt.Errorf("unknown key in [stage-%s]", s.Name)
+	}
+	return err
+}
+
+// validateGraph checks that every stage has a PROGRAM and every NEXT names a defined stage.
+func validateGraph(stages map[string]*StageConfig) error {
+	names := make([]string, 0, len(stages))
+	for n := range stages {
+		names = append(names, n)
+	}
+	slices.Sort(names) // report the same error every time
+	for _, n := range names {
+		s := stages[n]
+		if s.Program == "" {
+			return &configError{s.origin[""], "PROGRAM", fmt.Sprintf("[stage-%s] has no PROGRAM", n)}
+		}
+		for _, next := range s.Next {
+			if _, ok := stages[next]; !ok {
+				return &configError{s.origin["NEXT"], "NEXT", fmt.Sprintf("names stage %q, which is not defined", next)}
+			}
+		}
+	}
+	return nil
+}
+
+// parseDuration accepts plain seconds ("300", "0.5") or a number with a unit suffix
+// ("250ms", "5s", "2m", "1h", "7d" for retention periods).
+func parseDuration(v string) (time.Duration, error) {
+	num, unit := v, time.Second
+	for _, u := range []struct {
+		suffix string
+		d      time.Duration
+	}{{"ms", time.Millisecond}, {"s", time.Second}, {"m", time.Minute}, {"h", time.Hour}, {"d", 24 * time.Hour}} {
+		if strings.HasSuffix(v, u.suffix) {
+			num, unit = strings.TrimSpace(strings.TrimSuffix(v, u.suffix)), u.d
+			break
+		}
+	}
+	f, err := strconv.ParseFloat(num, 64)
+	if err != nil || f < 0 || f != f || f > float64(1<<62)/float64(unit) {
+		return 0, fmt.Errorf("want a duration such as 30, 0.5, 250ms, 5s, 2m or 1h, got %q", v)
+	}
+	return time.Duration(f * float64(unit)), nil
+}
+
+func parsePositiveDuration(v string) (time.Duration, error) {
+	d, err := parseDuration(v)
+	if err == nil && d <= 0 {
+		err = fmt.Errorf("must be greater than zero, got %q", v)
+	}
+	return d, err
+}
+
+func parseCount(v string, lo, hi int) (int, error) {
+	n, err := strconv.Atoi(v)
+	if err != nil || n < lo || n > hi {
+		return 0, fmt.Errorf("want a whole number from %d to %d, got %q", lo, hi, v)
+	}
+	return n, nil
+}
+
+func parseBool(v string) (bool, error) {
+	switch strings.ToLower(v) {
+	case "yes", "true", "on", "1":
+		return true, nil
+	case "no", "false", "off", "0", "":
+		return false, nil
+	}
+	return false, fmt.Errorf("want yes or no, got %q", v)
+}

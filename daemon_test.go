@@ -1,0 +1,315 @@
+// daemon_test.go: running the real daemon and real worker processes from tests.
+//
+// The daemon is this test binary re-executed with PEPSI_TEST_DAEMON (so it is built with the
+// race detector when the tests are); workers are a copy of it in a world-readable directory,
+// because a daemon started as root (CI) drops to the account `nobody` before it starts them.
+// Which worker program runs is chosen by PEPSI_TEST_WORKER, inherited through the daemon.
+package main
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"pepsi-dispatch/stage"
+)
+
+// workerBin returns the path of the copy of the test binary that workers run.
+var workerBin = sync.OnceValues(func() (string, error) {
+	dir, err := os.MkdirTemp("", "pepsi-test-bin-")
+	if err != nil {
+		return "", err
+	}
+	if err := os.Chmod(dir, 0o755); err != nil {
+		return "", err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	src, err := os.Open(self)
+	if err != nil {
+		return "", err
+	}
+	defer src.Close()
+	path := filepath.Join(dir, "pepsi-test-worker")
+	dst, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o755)
+	if err != nil {
+		return "", err
+	}
+	if _, err := io.Copy(dst, src); err != nil {
+		dst.Close()
+		return "", err
+	}
+	return path, dst.Close()
+})
+
+func testWorkerBin(t testing.TB) string {
+	t.Helper()
+	p, err := workerBin()
+	if err != nil {
+		t.Fatalf("copy test binary for workers: %v", err)
+	}
+	return p
+}
+
+// syncBuffer is a bytes.Buffer safe for the daemon's stderr copier and the test to share.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// daemon is one running pepsi-dispatch process.
+type daemon struct {
+	t      testing.TB
+	cmd    *exec.Cmd
+	log    *syncBuffer
+	done   chan struct{}
+	status int // exit status, valid after done
+}
+
+// testDir returns a fresh world-readable directory for config files.
+func testDir(t testing.TB) string {
+	t.Helper()
+	dir := t.TempDir()
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// baseConf returns a configuration for s with fast timers; stages are appended by the caller.
+func baseConf(s *testSchema, extra string) string {
+	return fmt.Sprintf(`# written by a test
+[database]
+DSN = %s
+
+[pepsi-dispatch]
+USER = nobody
+WORKER_IDLE_TIMEOUT = 2
+POLL_INTERVAL = 1
+STATS_INTERVAL = 60
+SHUTDOWN_GRACE = 5
+%s
+`, s.DSN, extra)
+}
+
+// stageConf returns a [stage-NAME] section run by the test worker.
+func stageConf(t testing.TB, name, next, extra string) string {
+	return fmt.Sprintf("[stage-%s]\nPROGRAM = %s\nNEXT = %s\n%s\n", name, testWorkerBin(t), next, extra)
+}
+
+// startDaemon starts `pepsi-dispatch -c conf -v serve` with worker program `worker`.
+func startDaemon(t testing.TB, conf, worker string, env ...string) *daemon {
+	t.Helper()
+	path := writeFile(t, testDir(t), "pepsi.conf", conf)
+	cmd := exec.Command(os.Args[0], "-c", path, "-v", "serve")
+	cmd.Env = append(os.Environ(), "PEPSI_TEST_DAEMON=1", "PEPSI_TEST_WORKER="+worker)
+	cmd.Env = append(cmd.Env, env...)
+	d := &daemon{t: t, cmd: cmd, log: &syncBuffer{}, done: make(chan struct{})}
+	cmd.Stdout, cmd.Stderr = d.log, d.log
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start daemon: %v", err)
+	}
+	go func() {
+		err := cmd.Wait()
+		var ee *exec.ExitError
+		switch {
+		case err == nil:
+		case errors.As(err, &ee):
+			d.status = ee.ExitCode()
+			if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+				d.status = 128 + int(ws.Signal())
+			}
+		default:
+			d.status = -1
+		}
+		close(d.done)
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-d.done:
+		default:
+			cmd.Process.Kill()
+			<-d.done
+		}
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", d.log.String())
+		}
+	})
+	return d
+}
+
+// wait waits for the daemon to exit and returns its status.
+func (d *daemon) wait(timeout time.Duration) int {
+	d.t.Helper()
+	select {
+	case <-d.done:
+		return d.status
+	case <-time.After(timeout):
+		d.t.Fatalf("daemon did not exit within %v", timeout)
+		return -1
+	}
+}
+
+// stop sends SIGTERM and expects a clean exit.
+func (d *daemon) stop() {
+	d.t.Helper()
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	if st := d.wait(30 * time.Second); st != 0 {
+		d.t.Fatalf("daemon exited with status %d after SIGTERM, want 0", st)
+	}
+}
+
+// waitLog waits until the daemon's log contains s.
+func (d *daemon) waitLog(s string, timeout time.Duration) {
+	d.t.Helper()
+	waitFor(d.t, timeout, fmt.Sprintf("daemon log line %q", s), func() bool {
+		return strings.Contains(d.log.String(), s)
+	})
+}
+
+// ---- test worker programs ----
+
+// runsDDL records every run of a stage handler, in the handler's own transaction, so that
+// "each (message, stage) ran exactly once" can be checked from the table.
+const runsDDL = `CREATE TABLE IF NOT EXISTS runs (
+    id bigint NOT NULL, stage text NOT NULL, pid int NOT NULL, batch int NOT NULL DEFAULT 1,
+    at timestamptz NOT NULL DEFAULT clock_timestamp())`
+
+// behaviour is what a message's payload asks of the test pipeline worker.
+type behaviour struct {
+	SleepMs  int    `json:"sleep_ms"`  // work this long
+	FailAt   string `json:"fail_at"`   // return an error at this stage (while attempts < FailN)
+	FailN    int    `json:"fail_n"`    // how many attempts fail at FailAt (0 = all)
+	CrashAt  string `json:"crash_at"`  // exit the process mid-message at this stage
+	HangAt   string `json:"hang_at"`   // never answer at this stage
+	DeferAt  string `json:"defer_at"`  // defer once at this stage, for DeferMs
+	DeferMs  int    `json:"defer_ms"`  //
+	Branch   string `json:"branch"`    // advance to this NEXT stage instead of the first
+	DoneAtMe string `json:"done_here"` // finish at this stage even if it has a NEXT
+}
+
+// pipelineWorker is the SDK stage used by most tests: it records the run, then advances to
+// the first NEXT stage, or finishes at a final stage, as the payload's behaviour allows.
+func pipelineWorker() int {
+	cfg, err := stage.LoadConfig(os.Args[1:])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	h := func(ctx context.Context, m *stage.Message) error {
+		var b behaviour
+		if len(m.Payload) > 0 {
+			if err := json.Unmarshal(m.Payload, &b); err != nil {
+				return fmt.Errorf("decode payload: %w", err)
+			}
+		}
+		if b.SleepMs > 0 {
+			time.Sleep(time.Duration(b.SleepMs) * time.Millisecond)
+		}
+		switch m.Stage {
+		case b.CrashAt:
+			os.Exit(3)
+		case b.HangAt:
+			select {}
+		case b.FailAt:
+			if b.FailN == 0 || m.Attempts < b.FailN {
+				return fmt.Errorf("asked to fail at %s (attempt %d)", m.Stage, m.Attempts+1)
+			}
+		}
+		if _, err := m.Tx.ExecContext(ctx, `INSERT INTO runs (id, stage, pid) VALUES ($1, $2, $3)`,
+			m.ID, m.Stage, os.Getpid()); err != nil {
+			return fmt.Errorf("record run: %w", err)
+		}
+		if b.DeferAt == m.Stage && m.State["deferred"] == nil {
+			m.State["deferred"] = true
+			return m.Defer(time.Now().Add(time.Duration(b.DeferMs) * time.Millisecond))
+		}
+		next := cfg.Next
+		switch {
+		case b.DoneAtMe == m.Stage || len(next) == 0:
+			return m.Done()
+		case b.Branch != "" && strings.Contains(" "+strings.Join(next, " ")+" ", " "+b.Branch+" "):
+			return m.Advance(b.Branch)
+		default:
+			return m.Advance(next[0])
+		}
+	}
+	if err := stage.Serve(context.Background(), cfg, os.Stdin, os.Stdout, h); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return 0
+}
+
+// batchWorker is a raw (SDK-less) stage that shows pipelining: after the first id it keeps
+// reading for a moment and records how many ids it had before answering any, then finishes
+// them all with one guarded UPDATE each.
+func batchWorker() int {
+	db, err := sql.Open("postgres", os.Getenv("PEPSI_DSN"))
+	if err != nil {
+		return 2
+	}
+	defer db.Close()
+	st := os.Getenv("PEPSI_STAGE")
+	var buf []byte
+	chunk := make([]byte, 4096)
+	for {
+		n, err := os.Stdin.Read(chunk)
+		buf = append(buf, chunk[:n]...)
+		if err != nil {
+			return 0
+		}
+		if !bytes.HasSuffix(buf, []byte("\n")) {
+			continue
+		}
+		ids := strings.Fields(string(buf))
+		buf = buf[:0]
+		for _, id := range ids {
+			if _, err := db.Exec(`INSERT INTO runs (id, stage, pid, batch) VALUES ($1, $2, $3, $4)`,
+				id, st, os.Getpid(), len(ids)); err != nil {
+				fmt.Fprintln(os.Stderr, err)
+				return 1
+			}
+			if _, err := db.Exec(`UPDATE workqueue SET status = 'done' WHERE workqueue_id = $1 AND status = 'running' AND stage = $2`, id, st); err != nil {
+				fmt.Fprintln(os.Stderr, err)
+				return 1
+			}
+		}
+		var out []byte
+		for range ids {
+			out = append(out, "0\n"...)
+		}
+		os.Stdout.Write(out)
+	}
+}
+
+func init() {
+	testWorkers["pipeline"] = pipelineWorker
+	testWorkers["batch"] = batchWorker
+}

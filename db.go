@@ -1,0 +1,134 @@
+// db.go: how the dispatcher talks to PostgreSQL: connection names, error classes and the
+// retry helper every queue operation goes through.
+//
+// It owns no state. Connections are named (application_name) so that the schema's requeue
+// trigger stays quiet for pepsi's own writes and so that a new dispatcher can find, and fence
+// off, the sessions of a previous one and of its workers (instance.go).
+package main
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/url"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/lib/pq"
+)
+
+// Application names. The suffix is the system key (instance.go), so that several systems on
+// one database never fence each other's sessions.
+const (
+	appDispatch = "pepsi-dispatch"
+	appWorker   = "pepsi-worker"
+)
+
+// dsnWith returns dsn with the connection parameter key set to value, for both DSN forms
+// (URL and key=value). A later key=value wins in libpq and lib/pq alike, so appending is enough.
+func dsnWith(dsn, key, value string) string {
+	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
+		u, err := url.Parse(dsn)
+		if err == nil {
+			q := u.Query()
+			q.Set(key, value)
+			u.RawQuery = q.Encode()
+			return u.String()
+		}
+	}
+	quoted := strings.ReplaceAll(strings.ReplaceAll(value, `\`, `\\`), `'`, `\'`)
+	if strings.TrimSpace(dsn) == "" {
+		return fmt.Sprintf("%s='%s'", key, quoted)
+	}
+	return fmt.Sprintf("%s %s='%s'", dsn, key, quoted)
+}
+
+// isTransient reports whether err is a serialization failure or a deadlock: the statement
+// did nothing and may simply be run again.
+func isTransient(err error) bool {
+	var pe *pq.Error
+	if errors.As(err, &pe) {
+		return pe.Code == "40001" || pe.Code == "40P01"
+	}
+	return false
+}
+
+// isConnLost reports whether err means the connection (or the server) is gone, as opposed to
+// a statement that failed on a healthy connection.
+func isConnLost(err error) bool {
+	if err == nil {
+		return false
+	}
+	var pe *pq.Error
+	if errors.As(err, &pe) {
+		switch {
+		case strings.HasPrefix(string(pe.Code), "08"): // connection exception
+			return true
+		case pe.Code == "57P01", pe.Code == "57P02", pe.Code == "57P03": // shutdown, crash, starting
+			return true
+		}
+		return false
+	}
+	var ne net.Error
+	return errors.Is(err, driver.ErrBadConn) || errors.Is(err, io.EOF) ||
+		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, sql.ErrConnDone) ||
+		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) ||
+		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ENOENT) || errors.As(err, &ne)
+}
+
+// backoff is a capped, jittered exponential back-off (River, net/http's tempDelay).
+type backoff struct {
+	min, max time.Duration
+	cur      time.Duration
+}
+
+// next returns the next delay: doubled each time up to max, with ±25 % jitter so that
+// several dispatchers (or systems) do not retry in lockstep.
+func (b *backoff) next() time.Duration {
+	if b.cur == 0 {
+		b.cur = b.min
+	} else if b.cur *= 2; b.cur > b.max {
+		b.cur = b.max
+	}
+	j := time.Duration(rand.Int64N(int64(b.cur)/2+1)) - b.cur/4
+	return b.cur + j
+}
+
+func (b *backoff) reset() { b.cur = 0 }
+
+// withRetry runs op, re-running it at once after a transient failure (40001/40P01) and after
+// a lost connection with back-off, until it succeeds, fails otherwise, or ctx ends, or the
+// time budget is spent. It is for statements the coordinator can afford to wait for; the
+// coordinator's own loop never blocks on it for longer than budget.
+func withRetry(ctx context.Context, budget time.Duration, what string, op func(context.Context) error) error {
+	deadline := time.Now().Add(budget)
+	b := backoff{min: 50 * time.Millisecond, max: 2 * time.Second}
+	for attempt := 1; ; attempt++ {
+		err := op(ctx)
+		if err == nil {
+			return nil
+		}
+		if !isTransient(err) && !isConnLost(err) {
+			return fmt.Errorf("%s: %w", what, err)
+		}
+		if ctx.Err() != nil || time.Now().After(deadline) {
+			return fmt.Errorf("%s (gave up after %d attempts): %w", what, attempt, err)
+		}
+		if isTransient(err) {
+			continue
+		}
+		t := time.NewTimer(b.next())
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return fmt.Errorf("%s: %w", what, ctx.Err())
+		case <-t.C:
+		}
+	}
+}

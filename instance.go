@@ -1,0 +1,206 @@
+// instance.go: exactly one dispatcher per system, enforced by the database.
+//
+// A system is one workqueue table (one schema). Its key is the table's oid, so two systems in
+// one database never collide. The dispatcher holds a session advisory lock on the key on a
+// dedicated connection, and runs its claims and its own row writes on that same connection:
+// a write can only commit while the lock is held, so "one claimer" is a fact, not a hope.
+//
+// Start-up fences off a previous dispatcher before touching its rows: its sessions and its
+// workers' sessions (found by application_name) are terminated and waited for, so no worker
+// of an earlier run can commit a message that the orphan reset hands out again. The workers
+// themselves die with their dispatcher (parent-death signal, worker.go).
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/lib/pq"
+)
+
+// lockClass is the first half of the advisory lock key: "peps" in ASCII, so the lock is
+// recognisable in pg_locks (classid) next to other applications' locks.
+const lockClass = 0x70657073
+
+// fenceTimeout bounds the wait for a previous run's sessions to go away.
+const fenceTimeout = 30 * time.Second
+
+// errLockHeld means another dispatcher holds the lock for this system.
+var errLockHeld = errors.New("another pepsi-dispatch is running for this system")
+
+// errLockLost means the lock connection was lost and the lock could not be proven ours again.
+var errLockLost = errors.New("single-instance lock lost")
+
+// instance is the lock connection and what the lock protects.
+type instance struct {
+	db    *sql.DB   // the pool the lock connection comes from
+	conn  *sql.Conn // holds the advisory lock; runs the coordinator's claims and writes
+	key   int32     // second half of the advisory lock key: the workqueue table's oid
+	epoch int64     // our start's number in dispatch_instance
+}
+
+// systemKey returns the lock key of the workqueue table in the connection's search_path.
+// It also checks that the schema is there, and says how to apply it if not.
+func systemKey(ctx context.Context, q interface {
+	QueryRowContext(context.Context, string, ...any) *sql.Row
+}) (int32, error) {
+	var missing []string
+	var oid sql.NullInt64
+	err := q.QueryRowContext(ctx, `
+		SELECT to_regclass('workqueue')::oid::bigint,
+		       array_remove(ARRAY[
+		         CASE WHEN to_regclass('workqueue') IS NULL THEN 'workqueue' END,
+		         CASE WHEN to_regclass('config') IS NULL THEN 'config' END,
+		         CASE WHEN to_regclass('stage_stats') IS NULL THEN 'stage_stats' END,
+		         CASE WHEN to_regclass('dispatch_stats') IS NULL THEN 'dispatch_stats' END,
+		         CASE WHEN to_regclass('dispatch_instance') IS NULL THEN 'dispatch_instance' END,
+		         CASE WHEN to_regclass('workqueue_claim_seq') IS NULL THEN 'workqueue_claim_seq' END
+		       ], NULL)::text[]`).Scan(&oid, pq.Array(&missing))
+	if err != nil {
+		return 0, fmt.Errorf("check schema: %w", err)
+	}
+	if len(missing) > 0 {
+		return 0, fmt.Errorf("check schema: %v not found in the search_path of this connection; "+
+			"apply the schema first: psql -v ON_ERROR_STOP=1 -f schema.sql \"$DSN\"", missing)
+	}
+	// oids are unsigned 32-bit; fold them into the signed half of the two-key lock.
+	return int32(uint32(oid.Int64)), nil
+}
+
+// acquire opens the lock connection and takes the lock, without waiting: a second dispatcher
+// must refuse to start, not queue behind the first.
+func acquire(ctx context.Context, db *sql.DB) (*instance, error) {
+	conn, err := db.Conn(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("connect: %w", err)
+	}
+	key, err := systemKey(ctx, conn)
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	var got bool
+	if err := conn.QueryRowContext(ctx, `SELECT pg_try_advisory_lock($1, $2)`, lockClass, key).Scan(&got); err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("take single-instance lock: %w", err)
+	}
+	if !got {
+		holder := describeHolder(ctx, conn)
+		conn.Close()
+		return nil, fmt.Errorf("%w (%s); refusing to start a second one", errLockHeld, holder)
+	}
+	return &instance{db: db, conn: conn, key: key}, nil
+}
+
+// describeHolder says who holds the lock, for the refusal message.
+func describeHolder(ctx context.Context, conn *sql.Conn) string {
+	var pid sql.NullInt64
+	var host, since sql.NullString
+	err := conn.QueryRowContext(ctx, `SELECT pid, host, to_char(started_at, 'YYYY-MM-DD HH24:MI:SS TZ')
+		FROM dispatch_instance WHERE id = 1`).Scan(&pid, &host, &since)
+	if err != nil || !pid.Valid {
+		return "holder unknown"
+	}
+	return fmt.Sprintf("pid %d on %s, started %s", pid.Int64, host.String, since.String)
+}
+
+// appName returns the application_name of a session kind of this system.
+func (in *instance) appName(kind string) string { return fmt.Sprintf("%s %d", kind, in.key) }
+
+// fence terminates the sessions a previous dispatcher and its workers left behind and waits
+// until they are gone, then records our start. After it returns, no earlier run can commit.
+func (in *instance) fence(ctx context.Context, version string) (int, error) {
+	names := []string{in.appName(appDispatch), in.appName(appWorker)}
+	var killed int
+	err := in.conn.QueryRowContext(ctx, `
+		SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+		 WHERE datname = current_database() AND application_name = ANY($1)
+		   AND pid <> pg_backend_pid()`, pq.Array(names)).Scan(&killed)
+	if err != nil {
+		return 0, fmt.Errorf("fence previous sessions: %w", err)
+	}
+	deadline := time.Now().Add(fenceTimeout)
+	for delay := 5 * time.Millisecond; ; delay = min(delay*2, 200*time.Millisecond) {
+		var left int
+		err := in.conn.QueryRowContext(ctx, `
+			SELECT count(*) FROM pg_stat_activity
+			 WHERE datname = current_database() AND application_name = ANY($1)
+			   AND pid <> pg_backend_pid()`, pq.Array(names)).Scan(&left)
+		if err != nil {
+			return 0, fmt.Errorf("fence previous sessions: %w", err)
+		}
+		if left == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			return 0, fmt.Errorf("fence previous sessions: %d sessions of an earlier run are still there after %v", left, fenceTimeout)
+		}
+		select {
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		case <-time.After(delay):
+		}
+	}
+	host, _ := os.Hostname()
+	err = in.conn.QueryRowContext(ctx, `
+		UPDATE dispatch_instance SET epoch = epoch + 1, pid = $1, host = $2, version = $3, started_at = now()
+		 WHERE id = 1 RETURNING epoch`, os.Getpid(), host, version).Scan(&in.epoch)
+	if err != nil {
+		return 0, fmt.Errorf("record start in dispatch_instance: %w", err)
+	}
+	return killed, nil
+}
+
+// resetOrphans puts back to pending every row left running by an earlier run. Only safe after
+// fence: then nobody else can be working on them.
+func (in *instance) resetOrphans(ctx context.Context) (int64, error) {
+	res, err := in.conn.ExecContext(ctx, `UPDATE workqueue SET status = 'pending' WHERE status = 'running'`)
+	if err != nil {
+		return 0, fmt.Errorf("reset orphaned running rows: %w", err)
+	}
+	return res.RowsAffected()
+}
+
+// relock replaces a lost lock connection. It succeeds only if the lock is free and no other
+// dispatcher started meanwhile (the epoch is still ours); otherwise the caller must exit.
+func (in *instance) relock(ctx context.Context) error {
+	if in.conn != nil {
+		in.conn.Close() // already broken; the error says nothing new
+		in.conn = nil
+	}
+	conn, err := in.db.Conn(ctx)
+	if err != nil {
+		return fmt.Errorf("reconnect: %w", err)
+	}
+	var got bool
+	if err := conn.QueryRowContext(ctx, `SELECT pg_try_advisory_lock($1, $2)`, lockClass, in.key).Scan(&got); err != nil {
+		conn.Close()
+		return fmt.Errorf("take single-instance lock again: %w", err)
+	}
+	if !got {
+		conn.Close()
+		return fmt.Errorf("%w: another dispatcher holds it now", errLockLost)
+	}
+	var epoch int64
+	if err := conn.QueryRowContext(ctx, `SELECT epoch FROM dispatch_instance WHERE id = 1`).Scan(&epoch); err != nil {
+		conn.Close()
+		return fmt.Errorf("read epoch: %w", err)
+	}
+	if epoch != in.epoch {
+		conn.Close()
+		return fmt.Errorf("%w: another dispatcher ran while it was lost (epoch %d, ours %d)", errLockLost, epoch, in.epoch)
+	}
+	in.conn = conn
+	return nil
+}
+
+func (in *instance) close() {
+	if in.conn != nil {
+		in.conn.Close() // ending the session releases the advisory lock
+		in.conn = nil
+	}
+}

@@ -1,0 +1,312 @@
+// Command pepsi-dispatch moves messages through the stages of a pipeline kept in PostgreSQL.
+//
+// # Overview
+//
+// One coordinator per system claims newly queued rows of the workqueue table for every stage
+// in one UPDATE … RETURNING, and feeds their ids through stdin pipes to persistent, pipelined
+// worker processes (elastic pools per stage). Stages write their own outcome (advance, done,
+// defer, split) under a guard; the dispatcher writes only failures and resets, under the
+// claim's guard. It also serves Wikimedia's PoolCounter lock protocol when [poolcounter]
+// LISTEN is set.
+//
+// # Lifecycle
+//
+// serve: read the configuration (exit 2 on a mistake), open the listening sockets, drop
+// privileges, take the single-instance lock (exit 1 if another dispatcher holds it), fence off
+// a previous run's workers and reset its orphaned rows, LISTEN, then run the coordinator
+// (coordinator.go) until SIGINT/SIGTERM. Shutdown lets workers finish their queue within
+// SHUTDOWN_GRACE, kills the rest, puts their rows back to pending, flushes statistics, exit 0.
+//
+// # Caveats
+//
+// Workers must connect with PEPSI_DSN (it names their sessions) for the start-up fence to
+// find them; they are killed with their dispatcher by the kernel (parent-death signal).
+// A stage that crashes on its very first message within startupWindow is taken for a
+// program that cannot start: the stage is held and the message stays pending.
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"os/user"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/lib/pq"
+)
+
+// version is set at build time: go build -ldflags "-X main.version=1.2.3".
+var version = "dev"
+
+func main() {
+	os.Exit(run(context.Background(), os.Args[1:], os.Stderr))
+}
+
+const usage = "usage: pepsi-dispatch [-c FILE] [-L error|warn|info|debug] [-v] serve"
+
+// run is the whole program; it returns the exit status: 0 after a clean shutdown, 2 for a
+// usage or configuration mistake, 1 for anything else.
+func run(ctx context.Context, args []string, stderr io.Writer) int {
+	fs := flag.NewFlagSet("pepsi-dispatch", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	confPath := fs.String("c", configFileDefault, "configuration `file`")
+	levelName := fs.String("L", "info", "log `level`: error, warn, info or debug")
+	verbose := fs.Bool("v", false, "verbose: same as -L debug")
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, usage)
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() != 1 || fs.Arg(0) != "serve" {
+		fmt.Fprintln(stderr, usage)
+		return 2
+	}
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(*levelName)); err != nil {
+		fmt.Fprintf(stderr, "pepsi-dispatch: -L: want error, warn, info or debug, got %q\n", *levelName)
+		return 2
+	}
+	if *verbose {
+		level = slog.LevelDebug
+	}
+	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+	cfg, err := loadConfig(*confPath)
+	if err != nil {
+		fmt.Fprintf(stderr, "pepsi-dispatch: %v\n", err)
+		return 2
+	}
+	err = serve(ctx, cfg, log)
+	var ce *configError
+	switch {
+	case err == nil:
+		return 0
+	case errors.As(err, &ce):
+		fmt.Fprintf(stderr, "pepsi-dispatch: %v\n", err)
+		log.Error("configuration error", "err", err)
+		return 2
+	default:
+		log.Error("fatal", "err", err)
+		return 1
+	}
+}
+
+// serve runs the daemon until a signal (nil) or a fatal error.
+func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
+	if cfg.DSN == "" && cfg.PoolCounter.Listen == "" {
+		return &configError{cfg.Path, "", "nothing to run: set [database] DSN (dispatcher) or [poolcounter] LISTEN (lock service)"}
+	}
+	sigs := make(chan os.Signal, 2) // two: the shutdown and the one that hurries it
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	defer signal.Stop(sigs)
+
+	// Sockets first: a privileged port must be bound before the privileges go.
+	var pcLn net.Listener
+	if cfg.PoolCounter.Listen != "" {
+		var err error
+		if pcLn, err = listenPoolCounter(cfg.PoolCounter.Listen); err != nil {
+			return fmt.Errorf("listen on [poolcounter] LISTEN %s: %w", cfg.PoolCounter.Listen, err)
+		}
+		defer pcLn.Close()
+	}
+	if err := dropPrivileges(cfg, log); err != nil {
+		return err
+	}
+	log.Info("pepsi-dispatch starting", "version", version, "pid", os.Getpid(), "config", cfg.Path)
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var side sync.WaitGroup // the lock service and other side services
+	defer side.Wait()
+	defer cancel() // runs before side.Wait: services stop, then we wait for them
+	if pcLn != nil {
+		ls := newLockServer(log.With("component", "poolcounter"))
+		side.Add(1)
+		go func() {
+			defer side.Done()
+			if err := ls.Serve(ctx, pcLn); err != nil {
+				log.Error("lock service stopped", "err", err)
+			}
+		}()
+		log.Info("lock service listening", "addr", pcLn.Addr().String())
+	}
+	if cfg.DSN == "" {
+		log.Info("no [database] DSN: running the lock service alone")
+		s := <-sigs
+		log.Info("shutting down", "signal", s.String())
+		return nil
+	}
+	return serveDispatch(ctx, cfg, log.With("component", "dispatch"), sigs)
+}
+
+// serveDispatch runs the dispatcher part: lock, fence, reset, LISTEN, coordinate.
+func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.Signal) error {
+	inst, db, err := connect(ctx, cfg, log, sigs)
+	if err != nil || inst == nil {
+		return err // inst == nil, err == nil: a signal arrived while waiting for the database
+	}
+	defer db.Close()
+	defer inst.close()
+	killed, err := inst.fence(ctx, version)
+	if err != nil {
+		return err
+	}
+	orphans, err := inst.resetOrphans(ctx)
+	if err != nil {
+		return err
+	}
+	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphans)
+
+	overlay, err := readOverlay(ctx, inst.conn)
+	if err != nil {
+		return err
+	}
+	stages, err := buildStages(cfg.stageEntries, overlay)
+	if err != nil {
+		return err // a configError: exit 2
+	}
+	run := *cfg
+	run.Stages = stages
+
+	listener := pq.NewListener(dsnWith(cfg.DSN, "application_name", inst.appName(appDispatch)),
+		100*time.Millisecond, 10*time.Second, func(ev pq.ListenerEventType, err error) {
+			switch ev {
+			case pq.ListenerEventDisconnected:
+				log.Warn("LISTEN connection lost; reconnecting", "err", err)
+			case pq.ListenerEventReconnected:
+				log.Info("LISTEN connection back")
+			case pq.ListenerEventConnectionAttemptFailed:
+				log.Debug("LISTEN reconnect failed", "err", err)
+			}
+		})
+	var drained sync.WaitGroup
+	defer drained.Wait()
+	defer func() {
+		// Keep draining until the listener closes its channel: its sender would block otherwise.
+		drained.Add(1)
+		go func() {
+			defer drained.Done()
+			for range listener.Notify {
+			}
+		}()
+		listener.Close()
+	}()
+	for _, ch := range []string{"workqueue", "config_changed"} {
+		if err := listener.Listen(ch); err != nil {
+			return fmt.Errorf("listen on channel %s: %w", ch, err)
+		}
+	}
+
+	cctx, stop := context.WithCancel(ctx)
+	c := newCoordinator(cctx, &run, log, db, inst, listener.Notify, sigs, version)
+	log.Info("dispatching", "stages", len(stages), "orphans_reset", orphans)
+	err = c.loop()
+	stop()     // worker goroutines give up any send still pending
+	c.wg.Wait() // and are gone before the connections close
+	return err
+}
+
+// connect opens the pool and takes the single-instance lock. A database that is not up yet
+// is waited for (with back-off, logged); another dispatcher holding the lock is fatal.
+func connect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.Signal) (*instance, *sql.DB, error) {
+	b := backoff{min: 200 * time.Millisecond, max: 5 * time.Second}
+	for attempt := 1; ; attempt++ {
+		inst, db, err := tryConnect(ctx, cfg)
+		if err == nil {
+			return inst, db, nil
+		}
+		if !isConnLost(err) {
+			return nil, nil, err
+		}
+		d := b.next()
+		if attempt == 1 || attempt%10 == 0 {
+			log.Warn("database not reachable; waiting for it", "err", err, "attempt", attempt, "retry_in", d.Round(time.Millisecond))
+		}
+		select {
+		case s := <-sigs:
+			log.Info("shutting down while waiting for the database", "signal", s.String())
+			return nil, nil, nil
+		case <-time.After(d):
+		}
+	}
+}
+
+func tryConnect(ctx context.Context, cfg *Config) (*instance, *sql.DB, error) {
+	// The system key (the workqueue table's oid) names our sessions; learn it first.
+	boot, err := sql.Open("postgres", dsnWith(cfg.DSN, "application_name", appDispatch))
+	if err != nil {
+		return nil, nil, fmt.Errorf("open database: %w", err)
+	}
+	key, err := systemKey(ctx, boot)
+	boot.Close()
+	if err != nil {
+		return nil, nil, err
+	}
+	db, err := sql.Open("postgres", dsnWith(cfg.DSN, "application_name", fmt.Sprintf("%s %d", appDispatch, key)))
+	if err != nil {
+		return nil, nil, fmt.Errorf("open database: %w", err)
+	}
+	db.SetMaxOpenConns(cfg.Dispatch.DBPoolSize)
+	db.SetMaxIdleConns(cfg.Dispatch.DBPoolSize)
+	inst, err := acquire(ctx, db)
+	if err != nil {
+		db.Close()
+		return nil, nil, err
+	}
+	return inst, db, nil
+}
+
+// dropPrivileges switches to USER when started as root, before any worker starts, so that
+// every worker inherits the unprivileged account. Go applies setuid to all threads.
+func dropPrivileges(cfg *Config, log *slog.Logger) error {
+	if os.Geteuid() != 0 {
+		return nil
+	}
+	name := cfg.Dispatch.User
+	u, err := user.Lookup(name)
+	if err != nil {
+		return &configError{cfg.Path, "USER", fmt.Sprintf("started as root, but account %q does not exist (%v); "+
+			"create it or set USER in [pepsi-dispatch]; refusing to run as root", name, err)}
+	}
+	uid, err1 := strconv.Atoi(u.Uid)
+	gid, err2 := strconv.Atoi(u.Gid)
+	if err1 != nil || err2 != nil {
+		return fmt.Errorf("drop privileges to %s: non-numeric uid %q or gid %q", name, u.Uid, u.Gid)
+	}
+	if uid == 0 {
+		return &configError{cfg.Path, "USER", fmt.Sprintf("account %q is root; refusing to run as root", name)}
+	}
+	groups := []int{gid}
+	if ids, err := u.GroupIds(); err == nil {
+		for _, g := range ids {
+			if n, err := strconv.Atoi(g); err == nil && n != gid {
+				groups = append(groups, n)
+			}
+		}
+	}
+	if err := syscall.Setgroups(groups); err != nil {
+		return fmt.Errorf("drop privileges to %s: setgroups: %w", name, err)
+	}
+	if err := syscall.Setgid(gid); err != nil {
+		return fmt.Errorf("drop privileges to %s: setgid %d: %w", name, gid, err)
+	}
+	if err := syscall.Setuid(uid); err != nil {
+		return fmt.Errorf("drop privileges to %s: setuid %d: %w", name, uid, err)
+	}
+	log.Info("dropped privileges", "user", name, "uid", uid, "gid", gid)
+	return nil
+}

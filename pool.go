@@ -1,0 +1,104 @@
+// pool.go: how many workers each stage runs, and which worker gets which message (the policy).
+//
+// A pool is elastic: workers are started when claimed messages need room, up to PARALLELISM;
+// messages are packed onto as few workers as possible (the fullest worker that still has room
+// first), so that surplus workers fall idle and are stopped after WORKER_IDLE_TIMEOUT. A
+// worker that has been sent MAX_MESSAGES drains and is replaced on demand. A stage whose
+// program cannot start, or dies before answering anything, is held for a cool-down that doubles
+// up to holdMax, instead of being restarted in a loop (Postfix master_throttle).
+//
+// The mechanism (exec, pipes, kill) is worker.go's; this file only decides. The coordinator
+// goroutine owns every pool.
+package main
+
+import (
+	"time"
+)
+
+const (
+	holdMin = 1 * time.Second  // first cool-down of a stage whose program cannot start
+	holdMax = 60 * time.Second // the cool-down doubles up to this
+
+	// startupWindow: a worker that dies without answering within this long after its start
+	// is taken for a program that cannot start (held stage, messages untouched), not for a
+	// message that crashed it (head failed).
+	startupWindow = 5 * time.Second
+
+	// stopLinger is how long a worker whose stdin we closed may take to exit before it is killed.
+	stopLinger = 5 * time.Second
+)
+
+// pool is the set of workers of one stage.
+type pool struct {
+	id      int // keys the stage's timers
+	cfg     *StageConfig
+	gen     int       // configuration generation; workers of older generations are retired
+	workers []*worker // live workers started for this generation, in start order
+
+	holdUntil time.Time     // no claims and no starts before this
+	holdDelay time.Duration // the next cool-down
+}
+
+// held reports whether the stage is cooling down.
+func (p *pool) held(now time.Time) bool { return now.Before(p.holdUntil) }
+
+// hold puts the stage on cool-down and returns its length.
+func (p *pool) hold(now time.Time) time.Duration {
+	if p.holdDelay == 0 {
+		p.holdDelay = holdMin
+	}
+	d := p.holdDelay
+	p.holdUntil = now.Add(d)
+	p.holdDelay = min(2*p.holdDelay, holdMax)
+	return d
+}
+
+// unhold forgets the cool-down history once a worker of the stage has proved it can work.
+func (p *pool) unhold() { p.holdDelay = 0 }
+
+// running counts the workers that take new messages (draining ones are on their way out
+// and do not count against PARALLELISM: capacity is bounded by in-flight messages anyway).
+func (p *pool) running() int {
+	n := 0
+	for _, w := range p.workers {
+		if w.state == workerRunning {
+			n++
+		}
+	}
+	return n
+}
+
+// room is how many more messages w can take now.
+func (p *pool) room(w *worker) int {
+	if w.state != workerRunning {
+		return 0
+	}
+	return min(p.cfg.QueueLimit-len(w.queue), p.cfg.MaxMessages-w.sent)
+}
+
+// pick returns the worker the next message should go to: the fullest one that still has room,
+// so that work is packed and the others fall idle. nil means a new worker is needed.
+func (p *pool) pick() *worker {
+	var best *worker
+	for _, w := range p.workers {
+		if p.room(w) > 0 && (best == nil || len(w.queue) > len(best.queue)) {
+			best = w
+		}
+	}
+	return best
+}
+
+// canGrow reports whether the pool may start another worker.
+func (p *pool) canGrow(now time.Time) bool {
+	return !p.held(now) && p.running() < p.cfg.Parallelism
+}
+
+// remove drops w from the pool's list.
+func (p *pool) remove(w *worker) {
+	for i, x := range p.workers {
+		if x == w {
+			p.workers = append(p.workers[:i], p.workers[i+1:]...)
+			return
+		}
+	}
+}

@@ -1,0 +1,123 @@
+// retry.go: what the dispatcher writes to rows it claimed, and the return of paused rows.
+//
+// Every write here is guarded by the claim the dispatcher handed out: status = 'running',
+// the same stage and the same claim token. A stage may commit its advance and then crash, and
+// the row may already be claimed again for the next stage before the crash is read; the guard
+// makes the stale write a no-op instead of an overwrite (dispatch.md, Part 2).
+//
+// Writes are queued in memory and sent in one statement per kind when the coordinator settles.
+// If the database refuses them (down, restarting), they stay queued and are sent again after a
+// back-off: an outcome is never dropped because the database was away for a while.
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"time"
+
+	"github.com/lib/pq"
+)
+
+// failure is one message the dispatcher fails: counted as an attempt, then paused or failed.
+type failure struct {
+	m           *message
+	reason      string
+	maxAttempts int
+	retryDelay  time.Duration
+}
+
+// failSQL records failures. retry_at = now + RETRY_DELAY × 2^(attempts−1), with attempts the
+// new count; the exponent is capped so a large MAX_ATTEMPTS cannot overflow the interval.
+const failSQL = `
+UPDATE workqueue q
+   SET attempts = q.attempts + 1,
+       state    = jsonb_set(coalesce(q.state, '{}'), '{dispatch_error}', to_jsonb(f.reason)),
+       status   = CASE WHEN q.attempts + 1 >= f.max_attempts THEN 'failed' ELSE 'paused' END,
+       retry_at = CASE WHEN q.attempts + 1 >= f.max_attempts THEN NULL
+                       ELSE now() + make_interval(secs => f.delay * power(2, least(q.attempts, 40))) END
+  FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::int[], $6::float8[])
+       AS f(id, stage, claim, reason, max_attempts, delay)
+ WHERE q.workqueue_id = f.id AND q.status = 'running' AND q.stage = f.stage AND q.claim = f.claim
+RETURNING q.workqueue_id, q.status, q.retry_at`
+
+// resetSQL puts pipelined messages that never ran back to pending, attempts unchanged.
+const resetSQL = `
+UPDATE workqueue q SET status = 'pending'
+  FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, stage, claim)
+ WHERE q.workqueue_id = f.id AND q.status = 'running' AND q.stage = f.stage AND q.claim = f.claim`
+
+// retrySQL returns due paused rows to pending (whoever paused them: a failure or a stage's
+// defer), and says when the next one is due.
+const retrySQL = `
+WITH due AS (
+    UPDATE workqueue SET status = 'pending', retry_at = NULL
+     WHERE status = 'paused' AND retry_at <= now()
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM due),
+       (SELECT min(retry_at) FROM workqueue WHERE status = 'paused' AND retry_at > now())`
+
+// failOutcome is what became of one failure write.
+type failOutcome struct {
+	id      int64
+	status  string // "paused" or "failed"
+	retryAt time.Time
+}
+
+// writeFailures records fs in one statement. Rows whose claim is no longer ours are skipped by
+// the guard and missing from the result.
+func writeFailures(ctx context.Context, conn *sql.Conn, fs []failure) ([]failOutcome, error) {
+	n := len(fs)
+	ids, stages, claims, reasons := make([]int64, n), make([]string, n), make([]int64, n), make([]string, n)
+	maxes, delays := make([]int64, n), make([]float64, n)
+	for i, f := range fs {
+		ids[i], stages[i], claims[i] = f.m.id, f.m.stage, f.m.claim
+		reasons[i] = clip(f.reason, 2000)
+		maxes[i], delays[i] = int64(f.maxAttempts), f.retryDelay.Seconds()
+	}
+	rows, err := conn.QueryContext(ctx, failSQL, pq.Array(ids), pq.Array(stages), pq.Array(claims),
+		pq.Array(reasons), pq.Array(maxes), pq.Array(delays))
+	if err != nil {
+		return nil, fmt.Errorf("record %d failures: %w", n, err)
+	}
+	defer rows.Close()
+	var out []failOutcome
+	for rows.Next() {
+		var o failOutcome
+		var at sql.NullTime
+		if err := rows.Scan(&o.id, &o.status, &at); err != nil {
+			return nil, fmt.Errorf("record %d failures: %w", n, err)
+		}
+		o.retryAt = at.Time
+		out = append(out, o)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("record %d failures: %w", n, err)
+	}
+	return out, nil
+}
+
+// writeResets puts ms back to pending; returns how many rows were still ours.
+func writeResets(ctx context.Context, conn *sql.Conn, ms []*message) (int64, error) {
+	n := len(ms)
+	ids, stages, claims := make([]int64, n), make([]string, n), make([]int64, n)
+	for i, m := range ms {
+		ids[i], stages[i], claims[i] = m.id, m.stage, m.claim
+	}
+	res, err := conn.ExecContext(ctx, resetSQL, pq.Array(ids), pq.Array(stages), pq.Array(claims))
+	if err != nil {
+		return 0, fmt.Errorf("reset %d messages to pending: %w", n, err)
+	}
+	return res.RowsAffected()
+}
+
+// flipDue returns due paused rows to pending; it reports how many, and the next due time.
+func flipDue(ctx context.Context, conn *sql.Conn) (int64, time.Time, error) {
+	var n int64
+	var next sql.NullTime
+	if err := conn.QueryRowContext(ctx, retrySQL).Scan(&n, &next); err != nil {
+		return 0, time.Time{}, fmt.Errorf("return due paused rows to pending: %w", err)
+	}
+	return n, next.Time, nil
+}

@@ -1,0 +1,349 @@
+// worker.go: one worker process and the goroutines that watch it (the mechanism).
+//
+// A worker is `PROGRAM [-c CONFIG_FILE] worker`, started in its own process group so that a
+// kill reaches its children too, and with the kernel's parent-death signal so that it cannot
+// outlive a dispatcher that dies. It owns the pipes and two goroutines per process: readLoop
+// (stdout replies, then the exit status) and logLoop (stderr to the log). Those goroutines only
+// send events; every field below that is not marked otherwise is owned by the coordinator
+// goroutine. When to start or stop a worker is pool.go's business, not this file's.
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// replyMaxLine bounds one status line. Replies are a status and a short reason; a longer line
+// is a protocol error, and the bound keeps a misbehaving worker from growing our memory.
+const replyMaxLine = 64 << 10
+
+// exitReadGrace is how long the exit watcher waits, after the process exited, for its stdout to
+// reach EOF. Only a grandchild that inherited stdout can hold it open longer; it is then killed
+// with the rest of the process group.
+const exitReadGrace = 2 * time.Second
+
+// workerState is where a worker is in its life.
+type workerState int
+
+const (
+	workerRunning  workerState = iota // takes new messages
+	workerDraining                    // takes no new messages; stdin is closed once its queue is empty
+	workerStopping                    // stdin closed or killed; waiting for its exit
+)
+
+// workerFate records why the coordinator ended a worker, so its exit is not read as a crash.
+type workerFate int
+
+const (
+	fateNone     workerFate = iota // still alive, or died on its own (a crash)
+	fateStopped                    // stdin closed by us (idle, recycled, shutdown): a clean exit is expected
+	fateTimeout                    // killed by the watchdog: the head message timed out
+	fateProtocol                   // killed after a reply that did not parse (head already failed)
+	fateRetired                    // killed by a reload or a shutdown: its queue goes back to pending
+)
+
+// message is one claimed row in flight.
+type message struct {
+	id       int64
+	stage    string
+	claim    int64 // the claim token the failure and reset writes are guarded by
+	attempts int   // failed attempts before this claim
+	fanout   int64 // fanout_id of a fan-out child, 0 for others
+}
+
+// worker is one worker process of a stage.
+type worker struct {
+	id    int    // unique within this dispatcher run; keys its timers
+	stage string // the stage it serves
+	gen   int    // the pool generation it was started for; a reload bumps it
+	pid   int
+	cmd   *exec.Cmd
+	stdin *os.File
+
+	queue     []*message // in flight, head first
+	headAt    time.Time  // when queue[0] became the head (MAX_RUNTIME counts from here)
+	sent      int        // messages written to it (MAX_MESSAGES)
+	answered  int        // status lines read
+	idleSince time.Time
+	state     workerState
+	fate      workerFate
+	started   time.Time
+}
+
+// workerReplies carries status lines read from a worker. Lines read in one go travel
+// together, so a batch of replies costs one channel send.
+type workerReplies struct {
+	w     *worker
+	lines []string
+	err   error // a line that could not be read (too long, or not UTF-8 safe); ends the batch
+}
+
+// workerExit says a worker process has exited and all its output was read.
+type workerExit struct {
+	w     *worker
+	state *os.ProcessState // nil if Wait itself failed
+	err   error
+}
+
+// startWorker starts PROGRAM for stage s. The replies and the exit are sent to events; the
+// goroutines are tracked by wg and give up sending when ctx ends.
+func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- any, log *slog.Logger,
+	id int, s *StageConfig, gen int, env []string, configFile string) (*worker, error) {
+	args := []string{}
+	if configFile != "" {
+		args = append(args, "-c", configFile)
+	}
+	args = append(args, "worker")
+	cmd := exec.Command(s.Program, args...)
+	cmd.Env = env
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		Setpgid:   true,            // a kill of -pid reaches the worker's own children too
+		Pdeathsig: syscall.SIGKILL, // it dies with us: a worker must never outlive its dispatcher
+	}
+	// Our own pipes rather than cmd.StdoutPipe: Wait must not close stdout under the reader,
+	// and the parent-side ends are plain files we close when we choose.
+	inR, inW, err := os.Pipe()
+	if err != nil {
+		return nil, fmt.Errorf("start worker of stage %s: stdin pipe: %w", s.Name, err)
+	}
+	outR, outW, err := os.Pipe()
+	if err != nil {
+		inR.Close()
+		inW.Close()
+		return nil, fmt.Errorf("start worker of stage %s: stdout pipe: %w", s.Name, err)
+	}
+	errR, errW, err := os.Pipe()
+	if err != nil {
+		inR.Close()
+		inW.Close()
+		outR.Close()
+		outW.Close()
+		return nil, fmt.Errorf("start worker of stage %s: stderr pipe: %w", s.Name, err)
+	}
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = inR, outW, errW
+	err = cmd.Start()
+	// The child has its copies now; ours of the child's ends must go, or EOF never comes.
+	inR.Close()
+	outW.Close()
+	errW.Close()
+	if err != nil {
+		inW.Close()
+		outR.Close()
+		errR.Close()
+		return nil, fmt.Errorf("start worker of stage %s: %w", s.Name, err)
+	}
+	w := &worker{id: id, stage: s.Name, gen: gen, pid: cmd.Process.Pid, cmd: cmd, stdin: inW,
+		started: time.Now(), idleSince: time.Now()}
+	wlog := log.With("stage", s.Name, "pid", w.pid)
+	readDone := make(chan struct{})
+	logDone := make(chan struct{})
+	wg.Add(3)
+	go func() { defer wg.Done(); defer close(readDone); w.readLoop(ctx, outR, events) }()
+	go func() { defer wg.Done(); defer close(logDone); logLoop(errR, wlog) }()
+	go func() { defer wg.Done(); w.waitLoop(ctx, events, readDone, logDone, outR, errR) }()
+	return w, nil
+}
+
+// readLoop reads status lines until EOF, sending each burst of complete lines as one event.
+func (w *worker) readLoop(ctx context.Context, out *os.File, events chan<- any) {
+	r := bufio.NewReaderSize(out, 16<<10)
+	for {
+		var lines []string
+		line, err := readReplyLine(r)
+		if err == nil {
+			lines = append(lines, line)
+			// Take every further line already buffered, so a pipelined batch is one event.
+			for err == nil && bytes.IndexByte(peekBuffered(r), '\n') >= 0 {
+				line, err = readReplyLine(r)
+				if err == nil {
+					lines = append(lines, line)
+				}
+			}
+		}
+		if err == io.EOF {
+			err = nil
+			if len(lines) == 0 {
+				return
+			}
+		}
+		select {
+		case events <- workerReplies{w: w, lines: lines, err: err}:
+		case <-ctx.Done():
+			return
+		}
+		if err != nil {
+			// The coordinator kills a worker that broke the protocol; drain until EOF so the
+			// worker is never blocked on a full pipe while it dies.
+			io.Copy(io.Discard, out)
+			return
+		}
+	}
+}
+
+func peekBuffered(r *bufio.Reader) []byte {
+	b, _ := r.Peek(r.Buffered())
+	return b
+}
+
+// errReplyTooLong is a status line over replyMaxLine bytes.
+var errReplyTooLong = fmt.Errorf("status line longer than %d bytes", replyMaxLine)
+
+// readReplyLine reads one '\n'-terminated line without its terminator (and without a '\r'
+// before it). A final line without '\n' at EOF still counts: the process wrote it.
+func readReplyLine(r *bufio.Reader) (string, error) {
+	var buf []byte
+	for {
+		frag, err := r.ReadSlice('\n')
+		if len(buf)+len(frag) > replyMaxLine+1 {
+			return "", errReplyTooLong
+		}
+		buf = append(buf, frag...)
+		switch {
+		case err == nil:
+			buf = buf[:len(buf)-1]
+			buf = bytes.TrimSuffix(buf, []byte{'\r'})
+			return string(buf), nil
+		case errors.Is(err, bufio.ErrBufferFull):
+			continue
+		case err == io.EOF && len(buf) > 0:
+			return string(bytes.TrimSuffix(buf, []byte{'\r'})), nil
+		default:
+			return "", err
+		}
+	}
+}
+
+// waitLoop waits for the process to exit and for its output to be read, then reports the exit.
+func (w *worker) waitLoop(ctx context.Context, events chan<- any, readDone, logDone <-chan struct{}, outR, errR *os.File) {
+	err := w.cmd.Wait()
+	// Wait returns when the process exits; its stdout may still hold replies we must deliver
+	// before the exit, and a grandchild may hold the pipes open: kill the group, then force EOF.
+	t := time.NewTimer(exitReadGrace)
+	select {
+	case <-readDone:
+	case <-t.C:
+		syscall.Kill(-w.pid, syscall.SIGKILL)
+		outR.Close() // unblocks the reader with an error instead of EOF
+		<-readDone
+	}
+	t.Reset(exitReadGrace)
+	select {
+	case <-logDone:
+	case <-t.C:
+		syscall.Kill(-w.pid, syscall.SIGKILL)
+		errR.Close()
+		<-logDone
+	}
+	t.Stop()
+	outR.Close()
+	errR.Close()
+	var state *os.ProcessState
+	var exitErr *exec.ExitError
+	if err == nil || errors.As(err, &exitErr) {
+		state, err = w.cmd.ProcessState, nil
+	}
+	select {
+	case events <- workerExit{w: w, state: state, err: err}:
+	case <-ctx.Done():
+	}
+}
+
+// logLoop copies the worker's standard error to the log, one record per line.
+func logLoop(errR *os.File, log *slog.Logger) {
+	sc := bufio.NewScanner(errR)
+	sc.Buffer(make([]byte, 4096), 64<<10)
+	for sc.Scan() {
+		log.Warn("worker stderr", "line", sc.Text())
+	}
+	// A line longer than the buffer ends the scan; keep draining so the worker never blocks.
+	io.Copy(io.Discard, errR)
+}
+
+// send writes the ids of msgs to the worker's stdin in one write. It never blocks for long:
+// at most QUEUE_LIMIT ids are in flight per worker, and they fit in the pipe buffer.
+func (w *worker) send(msgs []*message, buf []byte) ([]byte, error) {
+	buf = buf[:0]
+	for _, m := range msgs {
+		buf = strconv.AppendInt(buf, m.id, 10)
+		buf = append(buf, '\n')
+	}
+	_, err := w.stdin.Write(buf)
+	return buf, err
+}
+
+// closeStdin tells the worker that no more ids will come: it finishes its queue and exits.
+func (w *worker) closeStdin() {
+	if w.stdin != nil {
+		w.stdin.Close() // the only error is "already closed", which cannot happen: we nil it
+		w.stdin = nil
+	}
+}
+
+// kill ends the worker's whole process group at once.
+func (w *worker) kill() {
+	w.closeStdin()
+	// ESRCH (already gone) is the only expected error, and then there is nothing to do.
+	syscall.Kill(-w.pid, syscall.SIGKILL)
+}
+
+// exitReason describes how a process ended, for dispatch_error and the log.
+func exitReason(st *os.ProcessState, err error) string {
+	if st == nil {
+		return fmt.Sprintf("worker lost: %v", err)
+	}
+	if ws, ok := st.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		return fmt.Sprintf("worker killed by signal %d (%s)", int(ws.Signal()), ws.Signal())
+	}
+	return fmt.Sprintf("worker exited with status %d", st.ExitCode())
+}
+
+// reply is one parsed status line.
+type reply struct {
+	status int    // 0 = success
+	text   string // reason on failure; outcome words on success
+}
+
+// replyStatusMax bounds the status number: nine digits always fit an int, and no program
+// needs more to say "failed".
+const replyStatusDigits = 9
+
+// parseReply parses "STATUS[ TEXT]": a decimal status, optionally followed by one space and
+// text. Anything else is a protocol error: the worker and the dispatcher disagree about which
+// message a line belongs to, so nothing after it can be trusted.
+func parseReply(line string) (reply, error) {
+	num, text, _ := strings.Cut(line, " ")
+	if num == "" {
+		return reply{}, fmt.Errorf("protocol error: empty status in %q", clip(line, 80))
+	}
+	if len(num) > replyStatusDigits {
+		return reply{}, fmt.Errorf("protocol error: status %q is too long", clip(num, 20))
+	}
+	n := 0
+	for _, c := range []byte(num) {
+		if c < '0' || c > '9' {
+			return reply{}, fmt.Errorf("protocol error: status line %q does not start with a decimal status", clip(line, 80))
+		}
+		n = n*10 + int(c-'0')
+	}
+	return reply{status: n, text: text}, nil
+}
+
+// clip shortens s for a log line or a reason, marking the cut.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "…"
+}
