@@ -855,14 +855,17 @@ func (c *coordinator) reload() {
 		c.dbTrouble("read config table", err)
 		return
 	}
+	// A reload that fails is fatal with exit status 1 (dispatch.md), not the start-up
+	// configuration status 2: the errors are formatted, not wrapped, so the configError type
+	// does not reach run's exit-status mapping.
 	fresh, err := loadConfig(c.cfg.Path)
 	if err != nil {
-		c.fatal = fmt.Errorf("reload: %w", err)
+		c.fatal = fmt.Errorf("reload: %s", err)
 		return
 	}
 	stages, err := buildStages(fresh.stageEntries, overlay)
 	if err != nil {
-		c.fatal = fmt.Errorf("reload: the stage graph does not validate: %w", err)
+		c.fatal = fmt.Errorf("reload: the stage graph does not validate: %s", err)
 		return
 	}
 	if fresh.Dispatch != c.cfg.Dispatch || fresh.DSN != c.cfg.DSN || fresh.PoolCounter != c.cfg.PoolCounter {
@@ -911,4 +914,3 @@ func readOverlay(ctx context.Context, conn *sql.Conn) ([]overlayRow, error) {
 	}
 	return out, rows.Err()
 }
-

@@ -92,10 +92,15 @@ type daemon struct {
 	status int // exit status, valid after done
 }
 
-// testDir returns a fresh world-readable directory for config files.
+// testDir returns a fresh world-readable directory for config files: a daemon started as
+// root re-reads its file on reload after dropping to `nobody`. (t.TempDir's parent is 0700.)
 func testDir(t testing.TB) string {
 	t.Helper()
-	dir := t.TempDir()
+	dir, err := os.MkdirTemp("", "pepsi-test-conf-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
 	if err := os.Chmod(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}

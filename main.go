@@ -215,7 +215,7 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-ch
 	c := newCoordinator(cctx, &run, log, db, inst, listener.Notify, sigs, version)
 	log.Info("dispatching", "stages", len(stages), "orphans_reset", orphans)
 	err = c.loop()
-	stop()     // worker goroutines give up any send still pending
+	stop()      // worker goroutines give up any send still pending
 	c.wg.Wait() // and are gone before the connections close
 	return err
 }

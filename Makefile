@@ -1,0 +1,40 @@
+# pepsi-dispatch: build, test, install. `make help` lists the targets.
+
+PREFIX  ?= /usr/local
+DESTDIR ?=
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+GO      ?= go
+FUZZTIME ?= 20s
+
+BINDIR   = $(DESTDIR)$(PREFIX)/bin
+MANDIR   = $(DESTDIR)$(PREFIX)/share/man
+SHAREDIR = $(DESTDIR)$(PREFIX)/share/pepsi
+
+.PHONY: help build test race vet fuzz demo bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+build:  ## the static daemon binary ./pepsi-dispatch
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o pepsi-dispatch .
+
+test:  ## the whole suite: vet, race detector, short fuzzing of every parser
+	$(GO) vet ./...
+	$(GO) test -race -timeout 40m -count=1 ./...
+	$(MAKE) fuzz FUZZTIME=10s
+
+race: test  ## alias of test: the suite always runs under the race detector
+
+vet:  ## go vet
+	$(GO) vet ./...
+
+fuzz:  ## run each parser fuzzer for FUZZTIME (INI, worker replies, lock protocol lines)
+	$(GO) test -run '^$$' -fuzz '^FuzzINI$$' -fuzztime $(FUZZTIME) -timeout 5m .
+	$(GO) test -run '^$$' -fuzz '^FuzzReply$$' -fuzztime $(FUZZTIME) -timeout 5m .
+	$(GO) test -run '^$$' -fuzz '^FuzzPoolCounterLine$$' -fuzztime $(FUZZTIME) -timeout 5m .
+
+demo:  ## the demo: 10,000 messages through a three-stage pipeline on a throw-away PostgreSQL
+	demo/run
+
+clean:  ## remove build output
+	rm -f pepsi-dispatch

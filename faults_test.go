@@ -1,0 +1,486 @@
+// faults_test.go: nothing is lost. Failures, garbage, crashes, hangs, a missing program,
+// SIGKILL and SIGTERM of the dispatcher, a restarted PostgreSQL and killed connections —
+// with real processes and a real PostgreSQL, and the (message, stage) runs checked each time.
+package main
+
+import (
+	"bufio"
+	"context"
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// rawWorker is a stage without the SDK that misbehaves as a message's payload asks:
+// {"garbage": true} answers a line that is not a status; {"commit_then_crash": true} commits
+// the message's outcome and dies before answering; {"spawn_and_hang": true} starts a child
+// process (recorded in runs with stage 'child') and never answers. Other messages finish.
+func rawWorker() int {
+	db, err := sql.Open("postgres", os.Getenv("PEPSI_DSN"))
+	if err != nil {
+		return 2
+	}
+	defer db.Close()
+	db.SetMaxOpenConns(1)
+	st := os.Getenv("PEPSI_STAGE")
+	next := strings.Fields(os.Getenv("PEPSI_NEXT"))
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		id, _ := strconv.ParseInt(in.Text(), 10, 64)
+		var payload []byte
+		if err := db.QueryRow(`SELECT coalesce(payload, '{}') FROM workqueue WHERE workqueue_id = $1`, id).Scan(&payload); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		var b struct {
+			Garbage         bool `json:"garbage"`
+			CommitThenCrash bool `json:"commit_then_crash"`
+			SpawnAndHang    bool `json:"spawn_and_hang"`
+		}
+		json.Unmarshal(payload, &b)
+		switch {
+		case b.Garbage:
+			fmt.Println("this is not a status")
+			continue
+		case b.SpawnAndHang:
+			child := exec.Command("sleep", "1000")
+			child.Start()
+			db.Exec(`INSERT INTO runs (id, stage, pid) VALUES ($1, 'child', $2)`, id, child.Process.Pid)
+			select {}
+		}
+		tx, err := db.Begin()
+		if err != nil {
+			return 1
+		}
+		tx.Exec(`INSERT INTO runs (id, stage, pid) VALUES ($1, $2, $3)`, id, st, os.Getpid())
+		q := `UPDATE workqueue SET status = 'done' WHERE workqueue_id = $1 AND status = 'running' AND stage = $2`
+		args := []any{id, st}
+		if len(next) > 0 {
+			q = `UPDATE workqueue SET stage = $3, status = 'pending' WHERE workqueue_id = $1 AND status = 'running' AND stage = $2`
+			args = append(args, next[0])
+		}
+		if _, err := tx.Exec(q, args...); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		if err := tx.Commit(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		if b.CommitThenCrash {
+			os.Exit(4)
+		}
+		fmt.Println("0")
+	}
+	return 0
+}
+
+func init() { testWorkers["raw"] = rawWorker }
+
+// rowState is one workqueue row as the fault tests look at it.
+type rowState struct {
+	stage, status string
+	attempts      int
+	reason        string
+}
+
+func row(t testing.TB, s *testSchema, id int64) rowState {
+	t.Helper()
+	var r rowState
+	var reason sql.NullString
+	if err := s.DB.QueryRow(`SELECT stage, status, attempts, state->>'dispatch_error' FROM workqueue WHERE workqueue_id = $1`, id).
+		Scan(&r.stage, &r.status, &r.attempts, &reason); err != nil {
+		t.Fatalf("row %d: %v", id, err)
+	}
+	r.reason = reason.String
+	return r
+}
+
+// insertOne enqueues one message and returns its id.
+func insertOne(t testing.TB, s *testSchema, stage, payload string) int64 {
+	t.Helper()
+	var id int64
+	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, payload) VALUES ($1, $2::jsonb) RETURNING workqueue_id`, stage, payload).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// warmUp runs one message through stage so that its worker has answered once: a worker that
+// dies before its first answer is taken for a program that cannot start (the stage is held).
+func warmUp(t testing.TB, s *testSchema, stage string) {
+	t.Helper()
+	id := insertOne(t, s, stage, `{}`)
+	waitFor(t, 30*time.Second, "warm-up message done", func() bool { return row(t, s, id).status == "done" })
+}
+
+func TestFailureRetriesThenFailed(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nMAX_ATTEMPTS = 3\nRETRY_DELAY = 0.2"), "pipeline")
+	bad := insertOne(t, s, "a", `{"fail_at": "a"}`)
+	good := insertOne(t, s, "a", `{}`)
+	// After the first failure the row is paused with the first delay, not failed.
+	waitFor(t, 30*time.Second, "first failure recorded", func() bool { return row(t, s, bad).attempts >= 1 })
+	var delay float64
+	s.DB.QueryRow(`SELECT extract(epoch FROM retry_at - now()) FROM workqueue WHERE workqueue_id = $1 AND status = 'paused'`, bad).Scan(&delay)
+	waitFor(t, 30*time.Second, "message failed for good", func() bool { return row(t, s, bad).status == "failed" })
+	r := row(t, s, bad)
+	if r.attempts != 3 {
+		t.Errorf("attempts %d, want MAX_ATTEMPTS = 3", r.attempts)
+	}
+	if !strings.Contains(r.reason, "stage a: status 1: asked to fail at a (attempt 3)") {
+		t.Errorf("dispatch_error %q does not say stage, status and the worker's text", r.reason)
+	}
+	if row(t, s, good).status != "done" {
+		waitFor(t, 10*time.Second, "good message done", func() bool { return row(t, s, good).status == "done" })
+	}
+	if w := s.count(t, `SELECT count(DISTINCT pid) FROM runs`); w != 1 {
+		t.Errorf("the worker did not live on after failures: %d worker processes", w)
+	}
+	if st := s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'running'`); st != 0 {
+		t.Errorf("%d rows left running", st)
+	}
+	d.stop()
+	if s.count(t, `SELECT failed FROM stage_stats WHERE stage = 'a'`) != 3 {
+		t.Errorf("stage_stats.failed: want 3")
+	}
+	if s.count(t, `SELECT failed FROM dispatch_stats`) != 1 {
+		t.Errorf("dispatch_stats.failed: want 1")
+	}
+	_ = delay
+}
+
+func TestRetryBackoffDoubles(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	// Write the failures directly through the guarded statement: attempts 0,1,2 give
+	// RETRY_DELAY × 1, 2, 4.
+	conn := openLockConn(t, s)
+	var cl claimer
+	defer cl.close()
+	for attempts, want := range []float64{10, 20, 40} {
+		id := insertOne(t, s, "a", `{}`)
+		s.exec(t, `UPDATE workqueue SET attempts = $2 WHERE workqueue_id = $1`, id, attempts)
+		res, err := cl.claim(context.Background(), conn, map[string]int{"a": 1})
+		if err != nil || len(res.byStage["a"]) != 1 {
+			t.Fatalf("claim: %v %v", res, err)
+		}
+		m := res.byStage["a"][0]
+		out, err := writeFailures(context.Background(), conn, []failure{{m: m, reason: "r", maxAttempts: 5, retryDelay: 10 * time.Second}})
+		if err != nil || len(out) != 1 {
+			t.Fatalf("write failure: %v %v", out, err)
+		}
+		got := time.Until(out[0].retryAt).Seconds()
+		if got < want-2 || got > want+1 {
+			t.Errorf("attempt %d: retry in %.1fs, want %.0fs", attempts+1, got, want)
+		}
+		// A stale claim is never overwritten.
+		out, err = writeFailures(context.Background(), conn, []failure{{m: m, reason: "again", maxAttempts: 5, retryDelay: time.Second}})
+		if err != nil || len(out) != 0 {
+			t.Errorf("second write with the same claim touched the row: %v %v", out, err)
+		}
+	}
+}
+
+func TestGarbageReply(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	bad := insertOne(t, s, "a", `{"garbage": true}`)
+	var rest []int64
+	for i := 0; i < 3; i++ {
+		rest = append(rest, insertOne(t, s, "a", `{}`))
+	}
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4\nRETRY_DELAY = 60"), "raw")
+	waitFor(t, 30*time.Second, "garbage recorded", func() bool { return row(t, s, bad).status == "paused" })
+	r := row(t, s, bad)
+	if r.attempts != 1 || !strings.Contains(r.reason, "protocol error") || !strings.Contains(r.reason, "this is not a status") {
+		t.Errorf("garbage head: %+v", r)
+	}
+	for _, id := range rest {
+		waitFor(t, 30*time.Second, "pipelined message done", func() bool { return row(t, s, id).status == "done" })
+		if a := row(t, s, id).attempts; a != 0 {
+			t.Errorf("message %d behind the garbage has attempts %d, want 0", id, a)
+		}
+	}
+	d.waitLog("worker broke the protocol; killing it", time.Second)
+	d.stop()
+}
+
+func TestCrashFailsHeadRequeuesRest(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4\nRETRY_DELAY = 60"), "pipeline")
+	warmUp(t, s, "a")
+	// Enqueued together, they reach the one worker in one write: the crasher at the head.
+	s.exec(t, `INSERT INTO workqueue (stage, payload) VALUES ('a', '{"crash_at": "a"}'), ('a', '{}'), ('a', '{}'), ('a', '{}')`)
+	crasher := int64(s.count(t, `SELECT max(workqueue_id) - 3 FROM workqueue`))
+	waitFor(t, 30*time.Second, "crash recorded", func() bool { return row(t, s, crasher).status == "paused" })
+	if r := row(t, s, crasher); r.attempts != 1 || !strings.Contains(r.reason, "worker exited with status 3") {
+		t.Errorf("crashed head: %+v", r)
+	}
+	waitFor(t, 30*time.Second, "the others done", func() bool { return countStatus(t, s, "done") == 4 })
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'done' AND attempts <> 0`); n != 0 {
+		t.Errorf("%d requeued messages were charged an attempt", n)
+	}
+	if bad := s.count(t, `SELECT count(*) FROM (SELECT id FROM runs GROUP BY id, stage HAVING count(*) > 1) x`); bad != 0 {
+		t.Errorf("%d messages ran twice", bad)
+	}
+	d.stop()
+	if s.count(t, `SELECT crashed FROM stage_stats WHERE stage = 'a'`) != 1 {
+		t.Error("stage_stats.crashed: want 1")
+	}
+}
+
+// TestCrashAfterCommit: a stage commits its advance, then dies before its status line. The
+// row has moved on (and may already be claimed again for the next stage): the dispatcher's
+// failure write must not touch it.
+func TestCrashAfterCommit(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	conf := baseConf(s, "") + stageConf(t, "a", "b", "PARALLELISM = 1\nQUEUE_LIMIT = 1") + stageConf(t, "b", "", "PARALLELISM = 1")
+	d := startDaemon(t, conf, "raw")
+	warmUp(t, s, "a")
+	id := insertOne(t, s, "a", `{"commit_then_crash": true}`)
+	waitFor(t, 30*time.Second, "message done at b", func() bool { r := row(t, s, id); return r.status == "done" && r.stage == "b" })
+	d.waitLog("worker crashed", 10*time.Second)
+	if r := row(t, s, id); r.attempts != 0 || r.reason != "" {
+		t.Errorf("the stage's committed advance was overwritten: %+v", r)
+	}
+	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, id); n != 2 {
+		t.Errorf("message ran %d times, want once per stage (2)", n)
+	}
+	d.stop()
+}
+
+// TestTimeoutKillsProcessGroup: a head unanswered for MAX_RUNTIME is a timeout; the worker's
+// whole process group dies, the rest of its queue goes back to pending.
+func TestTimeoutKillsProcessGroup(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	conf := strings.Replace(baseConf(s, ""), "[pepsi-dispatch]", "[pepsi-dispatch]\nMAX_RUNTIME = 1", 1)
+	d := startDaemon(t, conf+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 3\nRETRY_DELAY = 60"), "raw")
+	warmUp(t, s, "a")
+	s.exec(t, `INSERT INTO workqueue (stage, payload) VALUES ('a', '{"spawn_and_hang": true}'), ('a', '{}'), ('a', '{}')`)
+	hung := int64(s.count(t, `SELECT max(workqueue_id) - 2 FROM workqueue`))
+	waitFor(t, 30*time.Second, "timeout recorded", func() bool { return row(t, s, hung).status == "paused" })
+	if r := row(t, s, hung); r.attempts != 1 || !strings.Contains(r.reason, "timeout after 1s") {
+		t.Errorf("hung head: %+v", r)
+	}
+	child := s.count(t, `SELECT pid FROM runs WHERE stage = 'child'`)
+	waitFor(t, 10*time.Second, "the worker's child to die with it", func() bool { return syscall.Kill(child, 0) != nil })
+	waitFor(t, 30*time.Second, "the others done", func() bool { return countStatus(t, s, "done") == 3 })
+	d.stop()
+	if s.count(t, `SELECT timeouts FROM stage_stats WHERE stage = 'a'`) != 1 {
+		t.Error("stage_stats.timeouts: want 1")
+	}
+}
+
+// TestMissingProgramHeldThenFixed: a PROGRAM that does not exist holds the stage (rows stay
+// pending, never failed) until the config table points it at a working program.
+func TestMissingProgramHeldThenFixed(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	conf := baseConf(s, "") + "[stage-a]\nPROGRAM = /nonexistent/stage-program\n"
+	d := startDaemon(t, conf, "pipeline")
+	enqueue(t, s, "a", 5, `{}`)
+	d.waitLog("cannot start the stage's program; stage held", 30*time.Second)
+	d.waitLog("hold=2s", 30*time.Second) // the cool-down doubles instead of spinning
+	// While held, rows go back and forth between pending and a claim that finds no worker,
+	// but are never charged an attempt, paused or failed.
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('pending', 'running') AND attempts = 0 AND state = '{}'`); n != 5 {
+		t.Fatalf("%d of 5 rows untouched while the stage is held", n)
+	}
+	s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-a', 'PROGRAM', $1)`, testWorkerBin(t))
+	waitFor(t, 30*time.Second, "all done after the fix", func() bool { return countStatus(t, s, "done") == 5 })
+	d.waitLog("stage graph reloaded", time.Second)
+	d.stop()
+}
+
+// runPipelineUnderFault pushes n messages through three stages while fault runs, then checks
+// that every message is done and each (message, stage) ran exactly once.
+func checkExactlyOnce(t *testing.T, s *testSchema, n int) {
+	t.Helper()
+	if bad := s.count(t, `SELECT count(*) FROM (SELECT id, stage FROM runs GROUP BY 1, 2 HAVING count(*) <> 1) x`); bad != 0 {
+		t.Errorf("%d (message, stage) pairs ran other than once", bad)
+	}
+	if runs := s.count(t, `SELECT count(*) FROM runs`); runs != 3*n {
+		t.Errorf("%d runs, want %d", runs, 3*n)
+	}
+	if left := s.count(t, `SELECT count(*) FROM workqueue WHERE status <> 'done'`); left != 0 {
+		t.Errorf("%d messages not done", left)
+	}
+}
+
+func threeStages(t *testing.T, s *testSchema) string {
+	return baseConf(s, "") +
+		stageConf(t, "a", "b", "PARALLELISM = 2\nQUEUE_LIMIT = 8\nRETRY_DELAY = 0.1") +
+		stageConf(t, "b", "c", "PARALLELISM = 2\nQUEUE_LIMIT = 8\nRETRY_DELAY = 0.1") +
+		stageConf(t, "c", "", "PARALLELISM = 2\nQUEUE_LIMIT = 8\nRETRY_DELAY = 0.1")
+}
+
+// workerPids lists the pids of the daemon's worker processes (its children).
+func workerPids(t testing.TB, d *daemon) []int {
+	t.Helper()
+	out, _ := exec.Command("pgrep", "-P", strconv.Itoa(d.cmd.Process.Pid)).Output()
+	var pids []int
+	for _, f := range strings.Fields(string(out)) {
+		if p, err := strconv.Atoi(f); err == nil {
+			pids = append(pids, p)
+		}
+	}
+	return pids
+}
+
+func TestSigkillDispatcherThenRestart(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	const n = 1500
+	conf := threeStages(t, s)
+	d := startDaemon(t, conf, "pipeline")
+	enqueue(t, s, "a", n, `{"sleep_ms": 1}`)
+	waitFor(t, 60*time.Second, "some progress", func() bool { return countStatus(t, s, "done") > n/5 })
+	pids := workerPids(t, d)
+	if len(pids) == 0 {
+		t.Fatal("no worker processes seen")
+	}
+	d.cmd.Process.Signal(syscall.SIGKILL)
+	d.wait(10 * time.Second)
+	// Workers must not outlive their dispatcher: the kernel kills them (parent-death signal).
+	waitFor(t, 10*time.Second, "orphaned workers to die", func() bool {
+		for _, p := range pids {
+			if syscall.Kill(p, 0) == nil {
+				return false
+			}
+		}
+		return true
+	})
+	running := countStatus(t, s, "running")
+	d2 := startDaemon(t, conf, "pipeline")
+	d2.waitLog(fmt.Sprintf("orphans_reset=%d", running), 30*time.Second)
+	waitFor(t, 120*time.Second, "all done after restart", func() bool { return countStatus(t, s, "done") == n })
+	checkExactlyOnce(t, s, n)
+	d2.stop()
+}
+
+func TestSigtermMidRun(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	const n = 1000
+	conf := threeStages(t, s)
+	d := startDaemon(t, conf, "pipeline")
+	enqueue(t, s, "a", n, `{"sleep_ms": 2}`)
+	waitFor(t, 60*time.Second, "some progress", func() bool { return countStatus(t, s, "done") > n/10 })
+	d.stop() // exit status 0 is checked by stop
+	if r := countStatus(t, s, "running"); r != 0 {
+		t.Fatalf("%d rows left running after a clean shutdown", r)
+	}
+	d.waitLog("shutdown complete", time.Second)
+	d2 := startDaemon(t, conf, "pipeline")
+	d2.waitLog("orphans_reset=0", 30*time.Second)
+	waitFor(t, 120*time.Second, "all done after restart", func() bool { return countStatus(t, s, "done") == n })
+	checkExactlyOnce(t, s, n)
+	d2.stop()
+}
+
+// TestSecondSignalHurries: a second SIGTERM kills workers at once; their rows go back.
+func TestSecondSignalHurries(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	conf := strings.Replace(baseConf(s, ""), "SHUTDOWN_GRACE = 5", "SHUTDOWN_GRACE = 60", 1)
+	d := startDaemon(t, conf+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 2"), "pipeline")
+	warmUp(t, s, "a")
+	insertOne(t, s, "a", `{"sleep_ms": 100000}`)
+	waitFor(t, 30*time.Second, "slow message running", func() bool { return countStatus(t, s, "running") == 1 })
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	d.waitLog("shutting down", 10*time.Second)
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	if st := d.wait(20 * time.Second); st != 0 {
+		t.Fatalf("exit %d after two signals, want 0", st)
+	}
+	if r := countStatus(t, s, "running"); r != 0 {
+		t.Errorf("%d rows left running", r)
+	}
+	if p := s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'pending' AND attempts = 0`); p != 1 {
+		t.Errorf("the interrupted message is not back to pending untouched")
+	}
+}
+
+func TestPostgresRestartUnderLoad(t *testing.T) {
+	if testPG.dir == "" {
+		baseDSN(t)
+	}
+	if testPG.dir == "" {
+		t.Skip("PEPSI_TEST_DSN names an external server; this test restarts the private one")
+	}
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	const n = 1500
+	conf := threeStages(t, s)
+	d := startDaemon(t, conf, "pipeline")
+	enqueue(t, s, "a", n, `{"sleep_ms": 1}`)
+	waitFor(t, 60*time.Second, "some progress", func() bool { return countStatus(t, s, "done") > n/5 })
+	out, err := exec.Command("scripts/pg-private", "restart", testPG.dir).CombinedOutput()
+	if err != nil {
+		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
+	}
+	waitFor(t, 120*time.Second, "all done after the PostgreSQL restart", func() bool {
+		var done int
+		// The harness's own connections died with the server: retry through them.
+		if err := s.DB.QueryRow(`SELECT count(*) FROM workqueue WHERE status = 'done'`).Scan(&done); err != nil {
+			return false
+		}
+		return done == n
+	})
+	d.waitLog("single-instance lock taken again", time.Second)
+	if bad := s.count(t, `SELECT count(*) FROM (SELECT id, stage FROM runs GROUP BY 1, 2 HAVING count(*) <> 1) x`); bad != 0 {
+		t.Errorf("%d (message, stage) pairs ran other than once", bad)
+	}
+	d.stop()
+}
+
+// TestTerminateEachConnection: pg_terminate_backend on each of the dispatcher's sessions
+// (the lock connection, the LISTEN connection, the pool) while messages flow.
+func TestTerminateEachConnection(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	const n = 1200
+	conf := strings.Replace(threeStages(t, s), "STATS_INTERVAL = 60", "STATS_INTERVAL = 0.2", 1)
+	d := startDaemon(t, conf, "pipeline")
+	enqueue(t, s, "a", n/3, `{"sleep_ms": 1}`)
+	waitFor(t, 60*time.Second, "some progress", func() bool { return countStatus(t, s, "done") > 0 })
+	kill := func(what, cond string) int {
+		var killed int
+		s.DB.QueryRow(`SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+			WHERE application_name LIKE 'pepsi-dispatch %' AND ` + cond).Scan(&killed)
+		t.Logf("terminated %d %s sessions", killed, what)
+		return killed
+	}
+	if kill("LISTEN", `query LIKE 'LISTEN%'`) == 0 {
+		t.Error("no LISTEN session found")
+	}
+	enqueue(t, s, "a", n/3, `{"sleep_ms": 1}`) // needs the notification (or the reconnect's claim)
+	if kill("lock", `pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')`) != 1 {
+		t.Error("lock session not found")
+	}
+	enqueue(t, s, "a", n/3, `{"sleep_ms": 1}`)
+	// The relock may have taken the pool's idle connection; the next statistics flush opens one.
+	pool := `query NOT LIKE 'LISTEN%' AND pid NOT IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')`
+	waitFor(t, 10*time.Second, "a pool session", func() bool {
+		return s.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'pepsi-dispatch %' AND `+pool) > 0
+	})
+	if kill("pool", pool) == 0 {
+		t.Error("no pool session found")
+	}
+	waitFor(t, 120*time.Second, "all done", func() bool { return countStatus(t, s, "done") == n })
+	d.waitLog("single-instance lock taken again", time.Second)
+	checkExactlyOnce(t, s, n)
+	d.stop()
+}
