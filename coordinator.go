@@ -82,6 +82,11 @@ type coordinator struct {
 	shutdown bool  // a signal arrived: no claims, workers finish their queues
 	fatal    error // ends the loop with exit status 1
 
+	metrics  *metricsServer // nil unless METRICS_LISTEN is set
+	notifier *notifier      // systemd readiness and watchdog; no-op outside systemd
+	retain   *retainer      // nil unless RETENTION is set
+	started  time.Time
+
 	stageFailing map[string]int // consecutive failures per stage, for log rate-limiting
 	sendBuf      []byte
 	want         map[string]int
@@ -98,7 +103,7 @@ func newCoordinator(ctx context.Context, cfg *Config, log *slog.Logger, db *sql.
 		dbBackoff:    backoff{min: 100 * time.Millisecond, max: 5 * time.Second},
 		relockBackof: backoff{min: 100 * time.Millisecond, max: 5 * time.Second},
 		stats:        newStats(), locked: true, stageFailing: map[string]int{},
-		want: map[string]int{},
+		want: map[string]int{}, started: time.Now(),
 	}
 	c.workerDSN = dsnWith(cfg.DSN, "application_name", inst.appName(appWorker))
 	for _, kv := range os.Environ() {
@@ -133,6 +138,17 @@ func (c *coordinator) loop() error {
 	now := time.Now()
 	c.timers.schedule(timerKey{kind: timerHeartbeat}, now.Add(c.cfg.Dispatch.PollInterval))
 	c.timers.schedule(timerKey{kind: timerStats}, now.Add(c.cfg.Dispatch.StatsInterval))
+	if c.metrics != nil {
+		c.metrics.publish(c.snapshot())
+		c.timers.schedule(timerKey{kind: timerMetrics}, now.Add(metricsPublishEvery))
+	}
+	if c.retain != nil {
+		// The first turn comes soon after start (old rows may have piled up while stopped).
+		c.timers.schedule(timerKey{kind: timerRetention}, now.Add(time.Second))
+	}
+	if d := watchdogInterval(); d > 0 {
+		c.timers.schedule(timerKey{kind: timerSDWatchdog}, now)
+	}
 	c.claimWanted, c.retryWanted = true, true
 	for {
 		c.settle()
@@ -659,6 +675,7 @@ func (c *coordinator) onNotify(n *pq.Notification, ok bool) {
 // a second one hurries: every worker is killed and its messages go back to pending.
 func (c *coordinator) onSignal(s os.Signal) {
 	if !c.shutdown {
+		c.notifier.send("STOPPING=1")
 		c.log.Info("shutting down: workers finish their queue", "signal", s.String(),
 			"workers", len(c.workers), "in_flight", c.inflightAll, "grace", c.cfg.Dispatch.ShutdownGrace)
 		c.shutdown = true
@@ -723,6 +740,25 @@ func (c *coordinator) onTimers() {
 			c.dbWaiting = false
 		case timerRelock:
 			c.relock()
+		case timerSDWatchdog:
+			// Sent from the loop itself: a coordinator stuck anywhere stops the pings.
+			c.notifier.send("WATCHDOG=1")
+			c.timers.schedule(key, now.Add(watchdogInterval()))
+		case timerRetention:
+			c.timers.schedule(key, now.Add(retentionEvery))
+			if c.inflightAll == 0 && !c.shutdown {
+				ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
+				n, err := c.retain.turn(ctx, c.db)
+				cancel()
+				if err != nil {
+					c.log.Warn("retention turn failed; next turn in a minute", "err", err)
+				} else if n > 0 {
+					c.log.Info("retention: deleted old done rows", "rows", n, "older_than", c.cfg.Dispatch.Retention)
+				}
+			}
+		case timerMetrics:
+			c.metrics.publish(c.snapshot())
+			c.timers.schedule(key, now.Add(metricsPublishEvery))
 		case timerShutdown:
 			if len(c.workers) > 0 {
 				c.log.Warn("shutdown grace over: killing remaining workers", "workers", len(c.workers))
@@ -791,6 +827,9 @@ func (c *coordinator) flushStats() {
 func (c *coordinator) finish() {
 	c.writeLeftovers()
 	c.flushStats()
+	if c.metrics != nil {
+		c.metrics.publish(c.snapshot())
+	}
 	c.log.Info("shutdown complete")
 }
 

@@ -203,7 +203,7 @@ func (d *daemon) waitLog(s string, timeout time.Duration) {
 // runsDDL records every run of a stage handler, in the handler's own transaction, so that
 // "each (message, stage) ran exactly once" can be checked from the table.
 const runsDDL = `CREATE TABLE IF NOT EXISTS runs (
-    id bigint NOT NULL, stage text NOT NULL, pid int NOT NULL, batch int NOT NULL DEFAULT 1,
+    id bigint NOT NULL, stage text NOT NULL, pid int NOT NULL, batch int NOT NULL DEFAULT 1, uid int,
     at timestamptz NOT NULL DEFAULT clock_timestamp())`
 
 // behaviour is what a message's payload asks of the test pipeline worker.
@@ -247,8 +247,8 @@ func pipelineWorker() int {
 				return fmt.Errorf("asked to fail at %s (attempt %d)", m.Stage, m.Attempts+1)
 			}
 		}
-		if _, err := m.Tx.ExecContext(ctx, `INSERT INTO runs (id, stage, pid) VALUES ($1, $2, $3)`,
-			m.ID, m.Stage, os.Getpid()); err != nil {
+		if _, err := m.Tx.ExecContext(ctx, `INSERT INTO runs (id, stage, pid, uid) VALUES ($1, $2, $3, $4)`,
+			m.ID, m.Stage, os.Getpid(), os.Getuid()); err != nil {
 			return fmt.Errorf("record run: %w", err)
 		}
 		if b.DeferAt == m.Stage && m.State["deferred"] == nil {

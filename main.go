@@ -123,18 +123,29 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
 		}
 		defer pcLn.Close()
 	}
+	var metricsLn net.Listener
+	if cfg.Dispatch.MetricsListen != "" {
+		var err error
+		if metricsLn, err = listenMetrics(cfg.Dispatch.MetricsListen); err != nil {
+			return err
+		}
+		defer metricsLn.Close()
+	}
 	if err := dropPrivileges(cfg, log); err != nil {
 		return err
 	}
 	log.Info("pepsi-dispatch starting", "version", version, "pid", os.Getpid(), "config", cfg.Path)
+	sd := newNotifier()
+	defer sd.close()
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var side sync.WaitGroup // the lock service and other side services
 	defer side.Wait()
 	defer cancel() // runs before side.Wait: services stop, then we wait for them
+	var ls *lockServer
 	if pcLn != nil {
-		ls := newLockServer(log.With("component", "poolcounter"))
+		ls = newLockServer(log.With("component", "poolcounter"))
 		side.Add(1)
 		go func() {
 			defer side.Done()
@@ -144,17 +155,47 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
 		}()
 		log.Info("lock service listening", "addr", pcLn.Addr().String())
 	}
+	var metrics *metricsServer
+	if metricsLn != nil {
+		metrics = &metricsServer{locks: ls, log: log.With("component", "metrics"), version: version}
+		// Without a database it serves the lock counters now; with one, serveDispatch starts
+		// it once the pool exists (the handler reads m.db without a lock).
+		serveMetrics := func() {
+			side.Add(1)
+			go func() { defer side.Done(); metrics.serve(ctx, metricsLn) }()
+			log.Info("metrics endpoint listening", "addr", metricsLn.Addr().String())
+		}
+		if cfg.DSN == "" {
+			serveMetrics()
+		} else {
+			metrics.start = serveMetrics
+		}
+	}
 	if cfg.DSN == "" {
 		log.Info("no [database] DSN: running the lock service alone")
-		s := <-sigs
-		log.Info("shutting down", "signal", s.String())
-		return nil
+		sd.send("READY=1")
+		var ping <-chan time.Time
+		if d := watchdogInterval(); d > 0 {
+			t := time.NewTicker(d)
+			defer t.Stop()
+			ping = t.C
+		}
+		for {
+			select {
+			case s := <-sigs:
+				sd.send("STOPPING=1")
+				log.Info("shutting down", "signal", s.String())
+				return nil
+			case <-ping:
+				sd.send("WATCHDOG=1")
+			}
+		}
 	}
-	return serveDispatch(ctx, cfg, log.With("component", "dispatch"), sigs)
+	return serveDispatch(ctx, cfg, log.With("component", "dispatch"), sigs, metrics, sd)
 }
 
 // serveDispatch runs the dispatcher part: lock, fence, reset, LISTEN, coordinate.
-func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.Signal) error {
+func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.Signal, metrics *metricsServer, sd *notifier) error {
 	inst, db, err := connect(ctx, cfg, log, sigs)
 	if err != nil || inst == nil {
 		return err // inst == nil, err == nil: a signal arrived while waiting for the database
@@ -213,7 +254,18 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-ch
 
 	cctx, stop := context.WithCancel(ctx)
 	c := newCoordinator(cctx, &run, log, db, inst, listener.Notify, sigs, version)
+	if metrics != nil {
+		metrics.db = db
+		c.metrics = metrics
+		metrics.publish(c.snapshot())
+		metrics.start()
+	}
+	c.notifier = sd
+	if cfg.Dispatch.Retention > 0 {
+		c.retain = &retainer{age: cfg.Dispatch.Retention}
+	}
 	log.Info("dispatching", "stages", len(stages), "orphans_reset", orphans)
+	sd.send("READY=1")
 	err = c.loop()
 	stop()      // worker goroutines give up any send still pending
 	c.wg.Wait() // and are gone before the connections close

@@ -27,6 +27,8 @@ const (
 	timerFanin                      // flush the fan-in inbox
 	timerSweep                      // fan-in safety sweep
 	timerRetention                  // delete old done rows
+	timerMetrics                    // publish a /metrics snapshot
+	timerSDWatchdog                 // tell systemd the loop is alive
 )
 
 type timerKey struct {

@@ -1,0 +1,232 @@
+// metrics.go: the /metrics endpoint, in the Prometheus text format.
+//
+// The coordinator publishes a snapshot of its counters and live gauges (at most once a second,
+// only when the endpoint is on); the HTTP handler reads the latest snapshot through an atomic
+// pointer and never waits for the coordinator. Row counts per stage and status come from one
+// query of the handler's own, on the pool, so a scrape costs the database one statement and
+// the coordinator nothing.
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+)
+
+// metricsPublishEvery bounds how often the coordinator copies its state for /metrics.
+const metricsPublishEvery = time.Second
+
+// metricsSnapshot is what the coordinator publishes.
+type metricsSnapshot struct {
+	at       time.Time
+	started  time.Time
+	epoch    int64
+	stages   []stageSnapshot // sorted by name
+	global   globalCounters
+	workers  int
+	inflight int
+}
+
+type stageSnapshot struct {
+	name     string
+	workers  int
+	inflight int
+	held     bool
+	c        stageCounters
+}
+
+// metricsServer serves /metrics.
+type metricsServer struct {
+	snap    atomic.Pointer[metricsSnapshot]
+	db      *sql.DB     // nil when the lock service runs alone
+	locks   *lockServer // nil without [poolcounter]
+	log     *slog.Logger
+	version string
+	start   func() // starts serving; set by serve, called once the pool exists
+}
+
+// publish is called by the coordinator with a fresh snapshot.
+func (m *metricsServer) publish(s *metricsSnapshot) { m.snap.Store(s) }
+
+// snapshot builds the coordinator's snapshot; it runs on the coordinator goroutine.
+func (c *coordinator) snapshot() *metricsSnapshot {
+	s := &metricsSnapshot{at: time.Now(), started: c.started, epoch: c.inst.epoch,
+		global: c.stats.Global, workers: len(c.workers), inflight: c.inflightAll}
+	now := time.Now()
+	names := map[string]bool{}
+	for name := range c.pools {
+		names[name] = true
+	}
+	for name := range c.stats.Stages {
+		names[name] = true
+	}
+	perStage := map[string]int{}
+	for _, w := range c.workers {
+		perStage[w.stage]++
+	}
+	for name := range names {
+		ss := stageSnapshot{name: name, workers: perStage[name], inflight: c.inflight[name]}
+		if p := c.pools[name]; p != nil {
+			ss.held = p.held(now)
+		}
+		if sc := c.stats.Stages[name]; sc != nil {
+			ss.c = *sc
+		}
+		s.stages = append(s.stages, ss)
+	}
+	slices.SortFunc(s.stages, func(a, b stageSnapshot) int { return strings.Compare(a.name, b.name) })
+	return s
+}
+
+// listenMetrics opens the endpoint's socket (before privileges are dropped).
+func listenMetrics(addr string) (net.Listener, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("listen on METRICS_LISTEN %s: %w", addr, err)
+	}
+	return ln, nil
+}
+
+// serve runs the HTTP server until ctx ends.
+func (m *metricsServer) serve(ctx context.Context, ln net.Listener) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /metrics", m.handle)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		srv.Shutdown(sctx) // a scrape still running after 2 s is cut off: nothing is lost
+	}()
+	if err := srv.Serve(ln); err != nil && err != http.ErrServerClosed {
+		m.log.Error("metrics endpoint stopped", "err", err)
+	}
+	<-done
+}
+
+func (m *metricsServer) handle(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+	var b strings.Builder
+	m.write(r.Context(), &b)
+	io.WriteString(w, b.String())
+}
+
+// promWriter writes metric families, each HELP/TYPE header once.
+type promWriter struct {
+	w    io.Writer
+	seen map[string]bool
+}
+
+func (p *promWriter) sample(name, typ, help, labels string, v any) {
+	if !p.seen[name] {
+		p.seen[name] = true
+		fmt.Fprintf(p.w, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, typ)
+	}
+	if labels != "" {
+		labels = "{" + labels + "}"
+	}
+	fmt.Fprintf(p.w, "%s%s %v\n", name, labels, v)
+}
+
+func stageLabel(name string) string { return fmt.Sprintf("stage=%q", name) }
+
+func (m *metricsServer) write(ctx context.Context, w io.Writer) {
+	p := &promWriter{w: w, seen: map[string]bool{}}
+	p.sample("pepsi_build_info", "gauge", "Version of the running pepsi-dispatch.", fmt.Sprintf("version=%q", m.version), 1)
+	if s := m.snap.Load(); s != nil {
+		p.sample("pepsi_start_time_seconds", "gauge", "When this dispatcher started (Unix time).", "", s.started.Unix())
+		p.sample("pepsi_instance_epoch", "gauge", "Start number of this dispatcher in dispatch_instance.", "", s.epoch)
+		p.sample("pepsi_snapshot_age_seconds", "gauge", "Age of the coordinator's snapshot behind these figures.", "", fmt.Sprintf("%.3f", time.Since(s.at).Seconds()))
+		g := s.global
+		p.sample("pepsi_stage_runs_total", "counter", "Messages handed to workers.", "", g.StageRuns)
+		p.sample("pepsi_claims_total", "counter", "Claim statements that returned rows.", "", g.Claims)
+		p.sample("pepsi_messages_done_total", "counter", "Messages reported as reaching done.", "", g.Done)
+		p.sample("pepsi_messages_failed_total", "counter", "Messages the dispatcher marked failed.", "", g.Failed)
+		p.sample("pepsi_retried_total", "counter", "Paused rows returned to pending.", "", g.Retried)
+		p.sample("pepsi_workers", "gauge", "Live worker processes.", "", s.workers)
+		p.sample("pepsi_in_flight", "gauge", "Messages in workers' queues.", "", s.inflight)
+		for _, st := range s.stages {
+			l := stageLabel(st.name)
+			p.sample("pepsi_stage_workers", "gauge", "Live worker processes per stage.", l, st.workers)
+			p.sample("pepsi_stage_in_flight", "gauge", "Messages in workers' queues per stage.", l, st.inflight)
+			held := 0
+			if st.held {
+				held = 1
+			}
+			p.sample("pepsi_stage_held", "gauge", "1 while the stage's program is on launch cool-down.", l, held)
+		}
+		for _, f := range []struct {
+			name, help string
+			v          func(stageCounters) int64
+		}{
+			{"pepsi_stage_processed_total", "Status lines with status 0.", func(c stageCounters) int64 { return c.Processed }},
+			{"pepsi_stage_failed_total", "Non-zero statuses and protocol errors.", func(c stageCounters) int64 { return c.Failed }},
+			{"pepsi_stage_crashed_total", "Workers that died with a message of the stage at their head.", func(c stageCounters) int64 { return c.Crashed }},
+			{"pepsi_stage_timeouts_total", "Messages killed by the MAX_RUNTIME watchdog.", func(c stageCounters) int64 { return c.Timeouts }},
+			{"pepsi_stage_fused_total", "Passes of the stage run inside another stage's worker.", func(c stageCounters) int64 { return c.Fused }},
+			{"pepsi_stage_busy_seconds_total", "Processing time.", nil},
+			{"pepsi_stage_max_seconds", "Longest single message since start.", nil},
+			{"pepsi_stage_workers_started_total", "Worker processes started.", func(c stageCounters) int64 { return c.WorkersStarted }},
+		} {
+			for _, st := range s.stages {
+				l := stageLabel(st.name)
+				switch f.name {
+				case "pepsi_stage_busy_seconds_total":
+					p.sample(f.name, "counter", f.help, l, fmt.Sprintf("%.3f", float64(st.c.BusyMs)/1000))
+				case "pepsi_stage_max_seconds":
+					p.sample(f.name, "gauge", f.help, l, fmt.Sprintf("%.3f", float64(st.c.MaxMs)/1000))
+				default:
+					p.sample(f.name, "counter", f.help, l, f.v(st.c))
+				}
+			}
+		}
+	}
+	if m.db != nil {
+		m.writeRows(ctx, p)
+	}
+	if m.locks != nil {
+		m.locks.writeMetrics(w)
+	}
+}
+
+// writeRows adds the row gauges: rows per stage and status, and the oldest pending row's age.
+func (m *metricsServer) writeRows(ctx context.Context, p *promWriter) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	rows, err := m.db.QueryContext(ctx, `
+		SELECT stage, status, count(*),
+		       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)::float8
+		  FROM workqueue WHERE status IN ('pending', 'running', 'paused', 'waiting', 'failed')
+		 GROUP BY stage, status ORDER BY stage, status`)
+	if err != nil {
+		p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 0)
+		m.log.Warn("metrics: row gauges not read", "err", err)
+		return
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var stage, status string
+		var n int64
+		var age float64
+		if err := rows.Scan(&stage, &status, &n, &age); err != nil {
+			return
+		}
+		p.sample("pepsi_rows", "gauge", "Rows per stage and status (done rows are not counted).",
+			fmt.Sprintf("stage=%q,status=%q", stage, status), n)
+		if status == "pending" {
+			p.sample("pepsi_oldest_pending_seconds", "gauge", "Age of the oldest pending row per stage.",
+				stageLabel(stage), fmt.Sprintf("%.3f", age))
+		}
+	}
+	p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 1)
+}

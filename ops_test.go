@@ -1,0 +1,270 @@
+// ops_test.go: what an operator relies on: hot reload, statistics, the privilege drop and
+// /metrics, each against the real daemon.
+package main
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestReloadChangesGraph: a config table change takes effect without a restart: a final stage
+// gains a NEXT stage defined only in the table, and every old worker is retired.
+func TestReloadChangesGraph(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 2"), "pipeline")
+	enqueue(t, s, "a", 20, `{}`)
+	waitFor(t, 30*time.Second, "20 done at a", func() bool { return countStatus(t, s, "done") == 20 })
+	before := s.count(t, `SELECT count(DISTINCT pid) FROM runs`)
+	s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-a', 'NEXT', 'b'), ('stage-b', 'PROGRAM', $1)`, testWorkerBin(t))
+	d.waitLog("stage graph reloaded", 30*time.Second)
+	enqueue(t, s, "a", 20, `{}`)
+	waitFor(t, 30*time.Second, "20 more done at b", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'done' AND stage = 'b'`) == 20
+	})
+	if n := s.count(t, `SELECT count(*) FROM runs r WHERE stage = 'a' AND id > (SELECT min(workqueue_id) + 19 FROM workqueue)
+	                     AND pid IN (SELECT pid FROM runs WHERE id <= (SELECT min(workqueue_id) + 19 FROM workqueue))`); n != 0 {
+		t.Errorf("%d messages after the reload ran on workers started before it (of %d)", n, before)
+	}
+	d.stop()
+}
+
+// TestReloadRetiresBusyWorkers: a reload while a worker is busy lets its current message
+// report, then the rest of its pipeline goes back to pending and runs on a new worker.
+func TestReloadRetiresBusyWorkers(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4"), "pipeline")
+	warmUp(t, s, "a")
+	s.exec(t, `INSERT INTO workqueue (stage, payload) SELECT 'a', '{"sleep_ms": 300}' FROM generate_series(1, 4)`)
+	waitFor(t, 10*time.Second, "4 running", func() bool { return countStatus(t, s, "running") == 4 })
+	s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-a', 'PARALLELISM', '2')`)
+	waitFor(t, 60*time.Second, "all done", func() bool { return countStatus(t, s, "done") == 5 })
+	if bad := s.count(t, `SELECT count(*) FROM (SELECT id FROM runs GROUP BY id HAVING count(*) > 1) x`); bad != 0 {
+		t.Errorf("%d messages ran twice across the reload", bad)
+	}
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE attempts <> 0`); n != 0 {
+		t.Errorf("%d messages charged an attempt by a reload", n)
+	}
+	d.stop()
+}
+
+// TestReloadInvalidGraphExits1: a reloaded graph that does not validate ends the process with
+// status 1 and a log line naming the problem; it never routes by a half-applied graph.
+func TestReloadInvalidGraphExits1(t *testing.T) {
+	s := newTestSchema(t)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", ""), "pipeline")
+	d.waitLog("dispatching", 30*time.Second)
+	s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-a', 'NEXT', 'nowhere')`)
+	if st := d.wait(30 * time.Second); st != 1 {
+		t.Fatalf("exit %d, want 1", st)
+	}
+	if !strings.Contains(d.log.String(), `NEXT: names stage \"nowhere\", which is not defined`) {
+		t.Errorf("log does not name the problem:\n%s", d.log.String())
+	}
+}
+
+// TestStatsIdleFlush: a finished burst's figures reach the tables within about a second, not
+// at the next STATS_INTERVAL (60 s here), and nothing is written while nothing changes.
+func TestStatsIdleFlush(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	conf := baseConf(s, "") + stageConf(t, "a", "b", "") + stageConf(t, "b", "", "")
+	d := startDaemon(t, conf, "pipeline")
+	enqueue(t, s, "a", 50, `{}`)
+	waitFor(t, 30*time.Second, "50 done", func() bool { return countStatus(t, s, "done") == 50 })
+	burstEnd := time.Now()
+	waitFor(t, 5*time.Second, "stats flushed", func() bool {
+		return s.count(t, `SELECT coalesce(sum(processed), 0) FROM stage_stats`) == 100
+	})
+	if lag := time.Since(burstEnd); lag > 3*time.Second {
+		t.Errorf("idle flush came %v after the burst", lag)
+	}
+	if n := s.count(t, `SELECT stage_runs FROM dispatch_stats`); n != 100 {
+		t.Errorf("dispatch_stats.stage_runs %d, want 100", n)
+	}
+	if n := s.count(t, `SELECT done FROM dispatch_stats`); n != 50 {
+		t.Errorf("dispatch_stats.done %d, want 50 (from the SDK's status lines)", n)
+	}
+	var stamp string
+	s.DB.QueryRow(`SELECT updated_at::text FROM dispatch_stats`).Scan(&stamp)
+	// Three heartbeats (POLL_INTERVAL = 1 s) with nothing to do: nothing may be written.
+	hb := strings.Count(d.log.String(), "\n")
+	time.Sleep(3 * time.Second) // the absence of writes over time is what is under test
+	var again string
+	s.DB.QueryRow(`SELECT updated_at::text FROM dispatch_stats`).Scan(&again)
+	if again != stamp {
+		t.Errorf("statistics written while idle: %s then %s", stamp, again)
+	}
+	_ = hb
+	d.stop()
+	if s.count(t, `SELECT (max_ms >= 0 AND busy_ms >= 0 AND workers_started >= 1)::int FROM stage_stats WHERE stage = 'a'`) != 1 {
+		t.Error("stage_stats timing columns not filled")
+	}
+}
+
+// TestPrivilegeDrop: started as root, workers run as USER; a missing USER is refused.
+func TestPrivilegeDrop(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: the dispatcher drops privileges only when started as root (CI runs as root)")
+	}
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", ""), "pipeline")
+	enqueue(t, s, "a", 3, `{}`)
+	waitFor(t, 30*time.Second, "3 done", func() bool { return countStatus(t, s, "done") == 3 })
+	if uid := s.count(t, `SELECT max(uid) FROM runs`); uid != 65534 {
+		t.Errorf("worker ran as uid %d, want nobody (65534)", uid)
+	}
+	d.stop()
+
+	conf := strings.Replace(baseConf(s, ""), "USER = nobody", "USER = no-such-account-here", 1) + stageConf(t, "a", "", "")
+	d2 := startDaemon(t, conf, "pipeline")
+	if st := d2.wait(30 * time.Second); st != 2 {
+		t.Fatalf("exit %d with a missing USER, want 2", st)
+	}
+	if !strings.Contains(d2.log.String(), `account "no-such-account-here" does not exist`) || !strings.Contains(d2.log.String(), "refusing to run as root") {
+		t.Errorf("refusal not clear:\n%s", d2.log.String())
+	}
+}
+
+// freePort returns a loopback address that was free a moment ago.
+func freePort(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
+}
+
+func TestMetrics(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	addr := freePort(t)
+	conf := baseConf(s, "METRICS_LISTEN = "+addr) + stageConf(t, "a", "", "PARALLELISM = 2")
+	d := startDaemon(t, conf, "pipeline")
+	enqueue(t, s, "a", 30, `{}`)
+	s.exec(t, `INSERT INTO workqueue (stage) VALUES ('orphan-stage')`)
+	waitFor(t, 30*time.Second, "30 done", func() bool { return countStatus(t, s, "done") == 30 })
+	var body string
+	waitFor(t, 10*time.Second, "metrics with the counters", func() bool {
+		resp, err := http.Get("http://" + addr + "/metrics")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		body = string(b)
+		return strings.Contains(body, `pepsi_stage_processed_total{stage="a"} 30`)
+	})
+	for _, want := range []string{
+		"# TYPE pepsi_stage_processed_total counter", `pepsi_build_info{version="dev"} 1`,
+		`pepsi_rows{stage="orphan-stage",status="pending"} 1`, `pepsi_oldest_pending_seconds{stage="orphan-stage"}`,
+		"pepsi_stage_workers{stage=\"a\"}", "pepsi_in_flight 0", "pepsi_rows_query_ok 1",
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("metrics lack %q:\n%s", want, body)
+		}
+	}
+	d.stop()
+}
+
+// TestMetricsCurlable is the closing note's curl, kept honest: the endpoint answers plain HTTP.
+func TestMetricsCurlable(t *testing.T) {
+	if _, err := exec.LookPath("curl"); err != nil {
+		t.Skip("curl not installed")
+	}
+	s := newTestSchema(t)
+	addr := freePort(t)
+	d := startDaemon(t, baseConf(s, "METRICS_LISTEN = "+addr)+stageConf(t, "a", "", ""), "pipeline")
+	d.waitLog("metrics endpoint listening", 30*time.Second)
+	out, err := exec.Command("curl", "-sf", "http://"+addr+"/metrics").Output()
+	if err != nil || !strings.Contains(string(out), "pepsi_build_info") {
+		t.Errorf("curl: %v\n%s", err, out)
+	}
+	d.stop()
+}
+
+// TestSystemdNotify reads the sd_notify datagrams: READY=1 once the lock is held and the
+// daemon listens, WATCHDOG=1 pings, STOPPING=1 at shutdown.
+func TestSystemdNotify(t *testing.T) {
+	s := newTestSchema(t)
+	// An abstract socket: the daemon drops to `nobody` and still reaches it.
+	name := fmt.Sprintf("@pepsi-test-notify-%d", time.Now().UnixNano())
+	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: "\x00" + name[1:], Net: "unixgram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	got := make(chan string, 100)
+	go func() {
+		buf := make([]byte, 512)
+		for {
+			n, _, err := conn.ReadFromUnix(buf)
+			if err != nil {
+				close(got)
+				return
+			}
+			got <- string(buf[:n])
+		}
+	}()
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", ""), "pipeline",
+		"NOTIFY_SOCKET="+name, "WATCHDOG_USEC=200000")
+	expect := func(want string) {
+		t.Helper()
+		deadline := time.After(30 * time.Second)
+		for {
+			select {
+			case msg := <-got:
+				if msg == want {
+					return
+				}
+			case <-deadline:
+				t.Fatalf("no %s datagram", want)
+			}
+		}
+	}
+	expect("READY=1")
+	if !strings.Contains(d.log.String(), "single-instance lock taken") {
+		t.Error("READY=1 came before the lock was held")
+	}
+	expect("WATCHDOG=1")
+	expect("WATCHDOG=1")
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	expect("STOPPING=1")
+	if st := d.wait(30 * time.Second); st != 0 {
+		t.Fatalf("exit %d", st)
+	}
+}
+
+// TestRetention: old done rows go, in batches, when idle; every other status and young done
+// rows stay.
+func TestRetention(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `INSERT INTO workqueue (stage, status, created_at)
+		SELECT 'zz', st, now() - interval '10 days' FROM unnest(ARRAY['pending','paused','waiting','failed']) st`)
+	s.exec(t, `INSERT INTO workqueue (stage, status, created_at) SELECT 'zz', 'done', now() - interval '10 days' FROM generate_series(1, 2500)`)
+	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'zz', 'done' FROM generate_series(1, 7)`)
+	d := startDaemon(t, baseConf(s, "RETENTION = 7d"), "pipeline")
+	waitFor(t, 30*time.Second, "old done rows deleted", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'done'`) == 7
+	})
+	d.waitLog("retention: deleted old done rows", 5*time.Second)
+	for _, st := range []string{"pending", "paused", "waiting", "failed"} {
+		if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status = $1`, st); n != 1 {
+			t.Errorf("retention touched a %s row (%d left)", st, n)
+		}
+	}
+	d.stop()
+}
