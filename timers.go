@@ -14,21 +14,21 @@ import (
 type timerKind int
 
 const (
-	timerHeartbeat timerKind = iota // POLL_INTERVAL claim
-	timerRetry                      // earliest paused row is due
-	timerIdle                       // id = worker: reap it if still idle
-	timerWatchdog                   // id = worker: its head may have run past MAX_RUNTIME
-	timerLinger                     // id = worker: stdin closed, kill it if still alive
-	timerHold                       // id = pool: the stage's launch cool-down is over
-	timerStats                      // flush statistics
-	timerDB                         // retry the writes the database refused
-	timerRelock                     // take the single-instance lock again
-	timerShutdown                   // shutdown grace is over: kill what remains
-	timerFanin                      // flush the fan-in inbox
-	timerSweep                      // fan-in safety sweep
-	timerRetention                  // delete old done rows
-	timerMetrics                    // publish a /metrics snapshot
-	timerSDWatchdog                 // tell systemd the loop is alive
+	timerHeartbeat  timerKind = iota // POLL_INTERVAL claim
+	timerRetry                       // earliest paused row is due
+	timerIdle                        // id = worker: reap it if still idle
+	timerWatchdog                    // id = worker: its head may have run past MAX_RUNTIME
+	timerLinger                      // id = worker: stdin closed, kill it if still alive
+	timerHold                        // id = pool: the stage's launch cool-down is over
+	timerStats                       // flush statistics
+	timerDB                          // retry the writes the database refused
+	timerRelock                      // take the single-instance lock again
+	timerShutdown                    // shutdown grace is over: kill what remains
+	timerFanin                       // flush the fan-in inbox
+	timerSweep                       // fan-in safety sweep
+	timerRetention                   // delete old done rows
+	timerMetrics                     // publish a /metrics snapshot
+	timerSDWatchdog                  // tell systemd the loop is alive
 )
 
 type timerKey struct {
