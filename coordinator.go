@@ -77,7 +77,7 @@ type coordinator struct {
 	relockBackof backoff
 
 	stats          *Stats
-	lastStatsFlush time.Time
+	lastStatsFlush time.Time // the last flush attempt
 
 	shutdown bool  // a signal arrived: no claims, workers finish their queues
 	fatal    error // ends the loop with exit status 1
@@ -242,9 +242,10 @@ func (c *coordinator) settle() {
 	if c.claimWanted && !c.shutdown {
 		c.claim()
 	}
-	if c.inflightAll == 0 && !c.timers.scheduled(timerKey{kind: timerStats}) || c.inflightAll == 0 && c.stats.dirty() {
+	if c.inflightAll == 0 && c.stats.dirty() {
 		// The pipeline went idle: flush soon, so a finished burst's figures need not wait
-		// for the next STATS_INTERVAL tick, but at most once a second.
+		// for the next STATS_INTERVAL tick, but at most once a second (also while the
+		// database refuses the flush: lastStatsFlush is the last attempt).
 		at := c.lastStatsFlush.Add(statsIdleMinGap)
 		if now := time.Now(); at.Before(now) {
 			at = now
@@ -290,7 +291,7 @@ func (c *coordinator) writeOutcomes() bool {
 // dbTrouble handles a statement the database refused: if the lock connection is gone, the
 // lock is gone with it; otherwise the queued work waits for a back-off and is tried again.
 func (c *coordinator) dbTrouble(what string, err error) {
-	if isConnLost(err) || c.inst.conn == nil || c.inst.conn.PingContext(c.ctx) != nil {
+	if isConnLost(err) || c.inst.conn == nil || c.pingLock() != nil {
 		c.log.Error("database connection lost; claims stop until the lock is taken again", "op", what, "err", err)
 		c.locked = false
 		c.claimer.close()
@@ -301,6 +302,13 @@ func (c *coordinator) dbTrouble(what string, err error) {
 	c.log.Warn("database refused a statement; will retry", "op", what, "err", err, "retry_in", d.Round(time.Millisecond))
 	c.dbWaiting = true
 	c.timers.schedule(timerKey{kind: timerDB}, time.Now().Add(d))
+}
+
+// pingLock checks the lock connection, without letting a hung server hold the loop.
+func (c *coordinator) pingLock() error {
+	ctx, cancel := context.WithTimeout(c.ctx, 5*time.Second)
+	defer cancel()
+	return c.inst.conn.PingContext(ctx)
 }
 
 // scheduleRetry sets the retry timer to the earliest paused row's due time (zero: none).
@@ -813,13 +821,12 @@ func (c *coordinator) relock() {
 func (c *coordinator) flushStats() {
 	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
 	defer cancel()
-	wrote, err := c.stats.flush(ctx, c.db)
-	if err != nil {
-		c.log.Warn("statistics not flushed; kept for the next flush", "err", err)
+	if !c.stats.dirty() {
 		return
 	}
-	if wrote {
-		c.lastStatsFlush = time.Now()
+	c.lastStatsFlush = time.Now()
+	if _, err := c.stats.flush(ctx, c.db); err != nil {
+		c.log.Warn("statistics not flushed; kept for the next flush", "err", err)
 	}
 }
 
