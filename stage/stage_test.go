@@ -1,0 +1,1058 @@
+// stage_test.go: the SDK against a real PostgreSQL, driven through Serve with pipes, and Run
+// driven as a process (the test binary impersonates a stage program).
+//
+// The run's PostgreSQL is PEPSI_TEST_DSN (a key=value DSN) when set, else a private cluster
+// started with ../scripts/pg-private and stopped at the end. Every test gets its own schema
+// with ../schema.sql applied.
+package stage
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"regexp"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// waitTimeout bounds every wait of the tests; nothing waits on time otherwise.
+const waitTimeout = 20 * time.Second
+
+func TestMain(m *testing.M) {
+	// Impersonation first: the stage program is started as `EXE -c FILE worker`, which the
+	// testing flags would reject.
+	if os.Getenv("PEPSI_SDK_TEST_RUN") != "" {
+		Run(func(ctx context.Context, m *Message) error {
+			m.State["by"] = "run"
+			return m.Advance("b")
+		})
+	}
+	before := runtime.NumGoroutine()
+	code := m.Run()
+	testPG.stop()
+	if code == 0 {
+		code = checkGoroutineLeaks(before)
+	}
+	os.Exit(code)
+}
+
+// checkGoroutineLeaks fails the run when goroutines started by tests outlive them. They end
+// asynchronously after Close, so it waits a little for them to settle.
+func checkGoroutineLeaks(before int) int {
+	deadline := time.Now().Add(5 * time.Second)
+	for runtime.NumGoroutine() > before+2 { // +2: the signal handler and lib/pq's idle timers
+		if time.Now().After(deadline) {
+			buf := make([]byte, 1<<20)
+			n := runtime.Stack(buf, true)
+			fmt.Fprintf(os.Stderr, "goroutine leak: %d before tests, %d after\n%s\n",
+				before, runtime.NumGoroutine(), buf[:n])
+			return 1
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return 0
+}
+
+// testPG is the run's PostgreSQL.
+var testPG privatePG
+
+type privatePG struct {
+	once sync.Once
+	dsn  string
+	dir  string // private cluster directory, "" with PEPSI_TEST_DSN
+	err  error
+}
+
+func (p *privatePG) stop() {
+	if p.dir == "" {
+		return
+	}
+	if out, err := exec.Command("../scripts/pg-private", "stop", p.dir).CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "stop private PostgreSQL: %v\n%s", err, out)
+	}
+	os.RemoveAll(p.dir)
+}
+
+func baseDSN(t testing.TB) string {
+	t.Helper()
+	testPG.once.Do(func() {
+		if dsn := os.Getenv("PEPSI_TEST_DSN"); dsn != "" {
+			testPG.dsn = dsn
+			return
+		}
+		dir, err := os.MkdirTemp("", "pepsi-sdk-pg-")
+		if err != nil {
+			testPG.err = fmt.Errorf("make cluster directory: %w", err)
+			return
+		}
+		os.Chmod(dir, 0o755) // as root the cluster runs as another account
+		testPG.dir = dir
+		out, err := exec.Command("../scripts/pg-private", "start", dir).Output()
+		if err != nil {
+			testPG.err = fmt.Errorf("start private PostgreSQL in %s: %w", dir, err)
+			return
+		}
+		testPG.dsn = strings.TrimSpace(string(out))
+	})
+	if testPG.err != nil {
+		t.Fatal(testPG.err)
+	}
+	return testPG.dsn
+}
+
+var unsafeName = regexp.MustCompile(`[^a-z0-9_]+`)
+
+// schema is one test's copy of schema.sql.
+type schema struct {
+	name string
+	dsn  string // for the stage under test: search_path and an application_name of its own
+	db   *sql.DB
+}
+
+func newSchema(t *testing.T) *schema {
+	t.Helper()
+	base := baseDSN(t)
+	name := unsafeName.ReplaceAllString(strings.ToLower(t.Name()), "_")
+	if len(name) > 30 {
+		name = name[:30]
+	}
+	name = fmt.Sprintf("sdk_%s_%06d", name, rand.IntN(1000000))
+	admin, err := sql.Open("postgres", base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close()
+	if _, err := admin.Exec("CREATE SCHEMA " + name); err != nil {
+		t.Fatalf("create schema %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		admin, err := sql.Open("postgres", base)
+		if err != nil {
+			return
+		}
+		defer admin.Close()
+		if _, err := admin.Exec("DROP SCHEMA " + name + " CASCADE"); err != nil {
+			t.Logf("drop schema %s: %v", name, err)
+		}
+	})
+	sch := &schema{
+		name: name,
+		dsn:  fmt.Sprintf("%s options='-c search_path=%s' application_name=pepsi-%s", base, name, name),
+	}
+	sch.db, err = sql.Open("postgres", fmt.Sprintf("%s options='-c search_path=%s'", base, name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sch.db.Close() })
+	for _, f := range []string{"../schema.sql", "../fanin.sql"} {
+		ddl, err := os.ReadFile(f)
+		if errors.Is(err, os.ErrNotExist) && f == "../fanin.sql" {
+			continue // developed beside schema.sql, merged into it before it lands
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := sch.db.Exec(string(ddl)); err != nil {
+			t.Fatalf("apply %s in %s: %v", f, name, err)
+		}
+	}
+	sch.exec(t, `CREATE TABLE side (id bigint PRIMARY KEY, note text)`)
+	return sch
+}
+
+func (s *schema) exec(t testing.TB, q string, args ...any) {
+	t.Helper()
+	if _, err := s.db.Exec(q, args...); err != nil {
+		t.Fatalf("%s: %v", q, err)
+	}
+}
+
+func (s *schema) int(t testing.TB, q string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := s.db.QueryRow(q, args...).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", q, err)
+	}
+	return n
+}
+
+// put inserts a row as the dispatcher's claim would leave it and returns its id.
+func (s *schema) put(t testing.TB, stage, status, payload string) int64 {
+	t.Helper()
+	var id int64
+	err := s.db.QueryRow(`INSERT INTO workqueue (stage, status, payload, state)
+		VALUES ($1, $2, $3::jsonb, '{"orig": 1}') RETURNING workqueue_id`, stage, status, payload).Scan(&id)
+	if err != nil {
+		t.Fatalf("insert row: %v", err)
+	}
+	return id
+}
+
+// rowOf is a row's stage, status and state, as text.
+func (s *schema) rowOf(t testing.TB, id int64) (stage, status, state string) {
+	t.Helper()
+	err := s.db.QueryRow(`SELECT stage, status, state::text FROM workqueue WHERE workqueue_id = $1`, id).
+		Scan(&stage, &status, &state)
+	if err != nil {
+		t.Fatalf("row %d: %v", id, err)
+	}
+	return stage, status, state
+}
+
+// recorder is Serve's stdout: it keeps every Write apart, to check that a batch's replies
+// come in one.
+type recorder struct {
+	mu     sync.Mutex
+	writes [][]byte
+	notify chan struct{} // one token per Write; buffered past any test's needs
+}
+
+func newRecorder() *recorder { return &recorder{notify: make(chan struct{}, 1024)} }
+
+func (r *recorder) Write(p []byte) (int, error) {
+	r.mu.Lock()
+	r.writes = append(r.writes, bytes.Clone(p))
+	r.mu.Unlock()
+	r.notify <- struct{}{}
+	return len(p), nil
+}
+
+func (r *recorder) count() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.writes)
+}
+
+// serving is one Serve under test.
+type serving struct {
+	in   *io.PipeWriter
+	out  *recorder
+	done chan error
+	sess *session
+	seen int // lines of out already returned by replies
+}
+
+// serve starts Serve for stage "a" with NEXT "b c" and stops it at the end of the test.
+func serve(t *testing.T, sch *schema, h Handler) *serving {
+	t.Helper()
+	inR, inW := io.Pipe()
+	sv := &serving{in: inW, out: newRecorder(), done: make(chan error, 1)}
+	sessCh := make(chan *session, 1)
+	cfg := Config{Stage: "a", Next: []string{"b", "c"}, DSN: sch.dsn,
+		hooks: &testHooks{session: func(s *session) { sessCh <- s }}}
+	go func() {
+		err := Serve(context.Background(), cfg, inR, sv.out, h)
+		inR.CloseWithError(errors.New("serve returned")) // a writer blocked on in fails rather than hangs
+		sv.done <- err
+	}()
+	select {
+	case sv.sess = <-sessCh:
+	case err := <-sv.done:
+		t.Fatalf("serve ended before connecting: %v", err)
+	case <-time.After(waitTimeout):
+		t.Fatal("timed out waiting for serve to connect")
+	}
+	t.Cleanup(func() {
+		inW.Close()
+		select {
+		case <-sv.done:
+		case <-time.After(waitTimeout):
+			t.Error("timed out waiting for serve to end")
+		}
+	})
+	return sv
+}
+
+// send writes ids to Serve's stdin in one write.
+func (sv *serving) send(t testing.TB, ids ...int64) {
+	t.Helper()
+	var b strings.Builder
+	for _, id := range ids {
+		fmt.Fprintf(&b, "%d\n", id)
+	}
+	sv.sendRaw(t, b.String())
+}
+
+func (sv *serving) sendRaw(t testing.TB, s string) {
+	t.Helper()
+	if _, err := io.WriteString(sv.in, s); err != nil {
+		t.Fatalf("write ids: %v", err)
+	}
+}
+
+// replies waits for the next n status lines.
+func (sv *serving) replies(t testing.TB, n int) []string {
+	t.Helper()
+	deadline := time.After(waitTimeout)
+	for {
+		sv.out.mu.Lock()
+		var all []string
+		for _, w := range sv.out.writes {
+			all = append(all, strings.Split(strings.TrimSuffix(string(w), "\n"), "\n")...)
+		}
+		sv.out.mu.Unlock()
+		if len(all) >= sv.seen+n {
+			got := all[sv.seen : sv.seen+n]
+			sv.seen += n
+			return got
+		}
+		select {
+		case <-sv.out.notify:
+		case err := <-sv.done:
+			sv.done <- err // for the cleanup
+			t.Fatalf("serve ended (%v) with %d of %d replies", err, len(all)-sv.seen, n)
+		case <-deadline:
+			t.Fatalf("timed out waiting for %d replies, have %d", n, len(all)-sv.seen)
+		}
+	}
+}
+
+// end closes stdin and returns Serve's result.
+func (sv *serving) end(t testing.TB) error {
+	t.Helper()
+	sv.in.Close()
+	return sv.wait(t)
+}
+
+func (sv *serving) wait(t testing.TB) error {
+	t.Helper()
+	select {
+	case err := <-sv.done:
+		sv.done <- err // for the cleanup
+		return err
+	case <-time.After(waitTimeout):
+		t.Fatal("timed out waiting for serve to return")
+		return nil
+	}
+}
+
+func wantFailure(t testing.TB, reply, substr string) {
+	t.Helper()
+	if !strings.HasPrefix(reply, "1 ") || !strings.Contains(reply, substr) {
+		t.Errorf("reply %q: want a failure mentioning %q", reply, substr)
+	}
+}
+
+func TestOutcomes(t *testing.T) {
+	sch := newSchema(t)
+	adv := sch.put(t, "a", "running", `{"op": "advance"}`)
+	done := sch.put(t, "a", "running", `{"op": "done"}`)
+	deferred := sch.put(t, "a", "running", `{"op": "defer"}`)
+	until := time.Date(2031, 2, 3, 4, 5, 6, 789000000, time.UTC)
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		m.State["seen_by"] = m.Stage
+		m.State["attempts"] = m.Attempts
+		switch {
+		case strings.Contains(string(m.Payload), "advance"):
+			return m.Advance("c")
+		case strings.Contains(string(m.Payload), "done"):
+			return m.Done()
+		default:
+			return m.Defer(until)
+		}
+	})
+	sv.send(t, adv, done, deferred)
+	// A message that finished says so ("0 done": the dispatcher counts it); the others say "0".
+	for i, r := range sv.replies(t, 3) {
+		if want := []string{"0", "0 done", "0"}[i]; r != want {
+			t.Errorf("reply %d = %q, want %q", i, r, want)
+		}
+	}
+	for _, c := range []struct {
+		id            int64
+		stage, status string
+	}{{adv, "c", "pending"}, {done, "a", "done"}, {deferred, "a", "paused"}} {
+		stage, status, state := sch.rowOf(t, c.id)
+		if stage != c.stage || status != c.status {
+			t.Errorf("row %d: stage %s status %s, want %s %s", c.id, stage, status, c.stage, c.status)
+		}
+		if want := `{"orig": 1, "seen_by": "a", "attempts": 0}`; state != want {
+			t.Errorf("row %d state %s, want %s", c.id, state, want)
+		}
+	}
+	if n := sch.int(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND retry_at = $2`, deferred, until); n != 1 {
+		t.Errorf("deferred row: retry_at is not %v", until)
+	}
+	if err := sv.end(t); err != nil {
+		t.Errorf("serve after EOF: %v", err)
+	}
+}
+
+func TestClaimLost(t *testing.T) {
+	sch := newSchema(t)
+	pending := sch.put(t, "a", "pending", `{}`)
+	other := sch.put(t, "b", "running", `{}`)
+	good := sch.put(t, "a", "running", `{}`)
+	var ran []int64
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		ran = append(ran, m.ID)
+		return m.Done()
+	})
+	sv.send(t, pending, other, 999999, good)
+	r := sv.replies(t, 4)
+	wantFailure(t, r[0], "not running at stage a (claim lost)")
+	wantFailure(t, r[1], "not running at stage a (claim lost)")
+	wantFailure(t, r[2], "not running at stage a (claim lost)")
+	if r[3] != "0 done" {
+		t.Errorf("reply for the running row = %q, want 0 done", r[3])
+	}
+	if err := sv.end(t); err != nil {
+		t.Fatal(err)
+	}
+	if len(ran) != 1 || ran[0] != good {
+		t.Errorf("handler ran for %v, want only %d", ran, good)
+	}
+	if _, status, _ := sch.rowOf(t, pending); status != "pending" {
+		t.Errorf("pending row became %s", status)
+	}
+	if stage, status, _ := sch.rowOf(t, other); stage != "b" || status != "running" {
+		t.Errorf("other stage's row became %s/%s", stage, status)
+	}
+}
+
+// A failing handler's writes and outcome are rolled back to its savepoint; the other
+// messages of the batch, before and after it, keep theirs.
+func TestHandlerErrorRollsBack(t *testing.T) {
+	sch := newSchema(t)
+	ok1 := sch.put(t, "a", "running", `{}`)
+	bad := sch.put(t, "a", "running", `{"fail": true}`)
+	ok2 := sch.put(t, "a", "running", `{}`)
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		if _, err := m.Tx.ExecContext(ctx, `INSERT INTO side (id, note) VALUES ($1, 'mine')`, m.ID); err != nil {
+			return err
+		}
+		m.State["touched"] = true
+		if err := m.Advance("b"); err != nil {
+			return err
+		}
+		if strings.Contains(string(m.Payload), "fail") {
+			return errors.New("enrichment service said no")
+		}
+		return nil
+	})
+	sv.send(t, ok1, bad, ok2)
+	r := sv.replies(t, 3)
+	if r[0] != "0" || r[2] != "0" {
+		t.Errorf("replies %q: want 0 for the good messages", r)
+	}
+	wantFailure(t, r[1], "enrichment service said no")
+	if n := sch.int(t, `SELECT count(*) FROM side WHERE id IN ($1, $2)`, ok1, ok2); n != 2 {
+		t.Errorf("side rows of the good messages: %d, want 2", n)
+	}
+	if n := sch.int(t, `SELECT count(*) FROM side WHERE id = $1`, bad); n != 0 {
+		t.Errorf("side row of the failed message survived")
+	}
+	if stage, status, state := sch.rowOf(t, bad); stage != "a" || status != "running" || state != `{"orig": 1}` {
+		t.Errorf("failed message's row: %s/%s %s, want a/running with its state untouched", stage, status, state)
+	}
+	for _, id := range []int64{ok1, ok2} {
+		if stage, status, _ := sch.rowOf(t, id); stage != "b" || status != "pending" {
+			t.Errorf("row %d: %s/%s, want b/pending", id, stage, status)
+		}
+	}
+}
+
+// A handler that fails through an SQL error (the transaction aborted inside its savepoint)
+// does not spoil the batch.
+func TestHandlerSQLErrorRecovers(t *testing.T) {
+	sch := newSchema(t)
+	bad := sch.put(t, "a", "running", `{"fail": true}`)
+	good := sch.put(t, "a", "running", `{}`)
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		if strings.Contains(string(m.Payload), "fail") {
+			m.Tx.ExecContext(ctx, `SELECT 1/0`) // ignored on purpose: the outcome must fail too
+			if err := m.Done(); err == nil {
+				t.Error("Done in an aborted transaction succeeded")
+			}
+			return nil
+		}
+		return m.Done()
+	})
+	sv.send(t, bad, good)
+	r := sv.replies(t, 2)
+	wantFailure(t, r[0], "outcome failed")
+	if r[1] != "0 done" {
+		t.Errorf("reply for the good message = %q", r[1])
+	}
+	if _, status, _ := sch.rowOf(t, good); status != "done" {
+		t.Errorf("good message: %s, want done", status)
+	}
+}
+
+func TestOutcomeMistakes(t *testing.T) {
+	sch := newSchema(t)
+	none := sch.put(t, "a", "running", `{"case": "none"}`)
+	two := sch.put(t, "a", "running", `{"case": "two"}`)
+	notNext := sch.put(t, "a", "running", `{"case": "notnext"}`)
+	panics := sch.put(t, "a", "running", `{"case": "panic"}`)
+	ownRow := sch.put(t, "a", "running", `{"case": "ownrow"}`)
+	var late *Message
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		switch {
+		case strings.Contains(string(m.Payload), `"none"`):
+			m.State["x"] = 1
+			return nil
+		case strings.Contains(string(m.Payload), `"two"`):
+			if err := m.Done(); err != nil {
+				return err
+			}
+			if err := m.Advance("b"); !errors.Is(err, ErrOutcomeChosen) {
+				t.Errorf("second outcome: %v, want ErrOutcomeChosen", err)
+			}
+			late = m
+			return nil // the failure must not depend on the handler passing the error on
+		case strings.Contains(string(m.Payload), `"notnext"`):
+			err := m.Advance("zzz")
+			if !errors.Is(err, ErrNotNext) {
+				t.Errorf("advance to zzz: %v, want ErrNotNext", err)
+			}
+			return err
+		case strings.Contains(string(m.Payload), `"panic"`):
+			panic("boom")
+		default: // the handler moves its own row, so the guarded outcome finds no row
+			if _, err := m.Tx.ExecContext(ctx, `UPDATE workqueue SET status = 'done' WHERE workqueue_id = $1`, m.ID); err != nil {
+				return err
+			}
+			err := m.Done()
+			if !errors.Is(err, ErrClaimLost) {
+				t.Errorf("done after the row moved: %v, want ErrClaimLost", err)
+			}
+			return err
+		}
+	})
+	sv.send(t, none, two, notNext, panics, ownRow)
+	r := sv.replies(t, 5)
+	wantFailure(t, r[0], "without choosing an outcome")
+	wantFailure(t, r[1], "more than one outcome (done, then advance to b)")
+	wantFailure(t, r[2], `"zzz"`)
+	wantFailure(t, r[3], "handler panicked: boom")
+	wantFailure(t, r[4], "claim lost")
+	for _, id := range []int64{none, two, notNext, panics, ownRow} {
+		if stage, status, state := sch.rowOf(t, id); stage != "a" || status != "running" || state != `{"orig": 1}` {
+			t.Errorf("row %d: %s/%s %s, want it untouched", id, stage, status, state)
+		}
+	}
+	if err := late.Done(); !errors.Is(err, ErrHandlerDone) {
+		t.Errorf("outcome after the handler returned: %v, want ErrHandlerDone", err)
+	}
+}
+
+// The hook for other kinds of outcome (fan-out splits): its write runs in the message's
+// savepoint and counts as the message's one outcome.
+func TestOutcomeHook(t *testing.T) {
+	sch := newSchema(t)
+	split := sch.put(t, "a", "running", `{}`)
+	undone := sch.put(t, "a", "running", `{"fail": true}`)
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		err := m.outcome(ctx, func(tx *sql.Tx) error {
+			state, err := m.stateJSON()
+			if err != nil {
+				return err
+			}
+			_, err = tx.ExecContext(ctx, `UPDATE workqueue SET status = 'waiting', state = $2
+				WHERE workqueue_id = $1 AND status = 'running' AND stage = $3`, m.ID, state, m.Stage)
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		if err := m.Done(); !errors.Is(err, ErrOutcomeChosen) {
+			t.Errorf("done after a split: %v, want ErrOutcomeChosen", err)
+		}
+		if strings.Contains(string(m.Payload), "fail") {
+			return errors.New("children refused")
+		}
+		return nil
+	})
+	sv.send(t, split, undone)
+	r := sv.replies(t, 2)
+	if r[0] == "0" {
+		t.Errorf("split with a second outcome attempted: reply 0, want a failure")
+	}
+	wantFailure(t, r[1], "children refused")
+	for _, id := range []int64{split, undone} {
+		if _, status, _ := sch.rowOf(t, id); status != "running" {
+			t.Errorf("row %d: %s, want running (the split rolled back)", id, status)
+		}
+	}
+}
+
+func TestOutcomeHookAlone(t *testing.T) {
+	sch := newSchema(t)
+	split := sch.put(t, "a", "running", `{}`)
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		m.State["children"] = 3
+		return m.outcome(ctx, func(tx *sql.Tx) error {
+			state, err := m.stateJSON()
+			if err != nil {
+				return err
+			}
+			_, err = tx.ExecContext(ctx, `UPDATE workqueue SET status = 'waiting', state = $2
+				WHERE workqueue_id = $1 AND status = 'running' AND stage = $3`, m.ID, state, m.Stage)
+			return err
+		})
+	})
+	sv.send(t, split)
+	if r := sv.replies(t, 1); r[0] != "0" {
+		t.Fatalf("reply %q", r[0])
+	}
+	if _, status, state := sch.rowOf(t, split); status != "waiting" || state != `{"orig": 1, "children": 3}` {
+		t.Errorf("split row: %s %s", status, state)
+	}
+}
+
+// Several ids in one read are one transaction, and their replies come in one write after its
+// commit: while the last handler runs, nothing is replied and nothing of the others is
+// visible from outside.
+func TestBatchIsOneTransaction(t *testing.T) {
+	sch := newSchema(t)
+	ids := []int64{sch.put(t, "a", "running", `{}`), sch.put(t, "a", "running", `{}`), sch.put(t, "a", "running", `{"last": true}`)}
+	entered, release := make(chan struct{}), make(chan struct{})
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		if strings.Contains(string(m.Payload), "last") {
+			close(entered)
+			<-release
+		}
+		return m.Advance("b")
+	})
+	sv.send(t, ids...)
+	select {
+	case <-entered:
+	case <-time.After(waitTimeout):
+		t.Fatal("timed out waiting for the last handler")
+	}
+	if n := sv.out.count(); n != 0 {
+		t.Errorf("%d writes to stdout before the batch committed", n)
+	}
+	if n := sch.int(t, `SELECT count(*) FROM workqueue WHERE stage = 'b'`); n != 0 {
+		t.Errorf("%d advances visible before the last message ran: not one transaction", n)
+	}
+	close(release)
+	r := sv.replies(t, 3)
+	if strings.Join(r, ",") != "0,0,0" {
+		t.Errorf("replies %q", r)
+	}
+	if n := sv.out.count(); n != 1 {
+		t.Errorf("%d writes for one batch, want 1", n)
+	}
+	if n := sch.int(t, `SELECT count(*) FROM workqueue WHERE stage = 'b' AND status = 'pending'`); n != 3 {
+		t.Errorf("%d rows advanced, want 3", n)
+	}
+}
+
+// A batch of messages whose handlers leave m.Tx alone costs 4 requests: BEGIN, the load, the
+// outcome statement, COMMIT. A handler with a statement of its own adds the SAVEPOINT, that
+// statement and its outcome's UPDATE.
+func TestRoundTrips(t *testing.T) {
+	sch := newSchema(t)
+	var ids []int64
+	for range 5 {
+		ids = append(ids, sch.put(t, "a", "running", `{}`))
+	}
+	touch := sch.put(t, "a", "running", `{"touch": true}`)
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		if strings.Contains(string(m.Payload), "touch") {
+			if _, err := m.Tx.ExecContext(ctx, `INSERT INTO side (id) VALUES (1)`); err != nil {
+				return err
+			}
+		}
+		return m.Advance("b")
+	})
+	statements := func() int64 {
+		sv.sess.mu.Lock()
+		defer sv.sess.mu.Unlock()
+		return sv.sess.statements
+	}
+	before := statements()
+	sv.send(t, ids...)
+	sv.replies(t, len(ids))
+	if got := statements() - before; got != 4 {
+		t.Errorf("batch of %d: %d requests, want 4", len(ids), got)
+	}
+	before = statements()
+	sv.send(t, touch)
+	sv.replies(t, 1)
+	if got := statements() - before; got != 1+3+2 {
+		t.Errorf("one message with a statement of its own: %d requests, want 6", got)
+	}
+}
+
+func TestEOFAndBadLines(t *testing.T) {
+	sch := newSchema(t)
+	a, b := sch.put(t, "a", "running", `{}`), sch.put(t, "a", "running", `{}`)
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error { return m.Done() })
+	// A bad line and an empty one still get their replies; the last id has no newline.
+	sv.sendRaw(t, fmt.Sprintf("%d\nnot-a-number\n\n%d", a, b))
+	sv.in.Close()
+	r := sv.replies(t, 4)
+	if r[0] != "0 done" || r[3] != "0 done" {
+		t.Errorf("replies %q: want 0 done for the ids", r)
+	}
+	wantFailure(t, r[1], `bad message id "not-a-number"`)
+	wantFailure(t, r[2], `bad message id ""`)
+	if err := sv.wait(t); err != nil {
+		t.Errorf("serve after EOF: %v, want nil", err)
+	}
+}
+
+func TestReasonIsOneLine(t *testing.T) {
+	sch := newSchema(t)
+	id := sch.put(t, "a", "running", `{}`)
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		return fmt.Errorf("first line\nsecond\r\tline %s", strings.Repeat("é", 3000))
+	})
+	sv.send(t, id)
+	r := sv.replies(t, 1)[0]
+	wantFailure(t, r, "first line second  line é")
+	if len(r) > maxReason+2 {
+		t.Errorf("reply of %d bytes, want at most %d", len(r), maxReason+2)
+	}
+	if !strings.HasSuffix(r, "é...") {
+		t.Errorf("reply not cut on a rune boundary: ...%q", r[len(r)-10:])
+	}
+	if n := sv.out.count(); n != 1 || strings.Count(string(sv.out.writes[0]), "\n") != 1 {
+		t.Errorf("reply is not one line")
+	}
+}
+
+// Big integers and nested values of the state survive the decode and encode unchanged.
+func TestStateRoundTrip(t *testing.T) {
+	sch := newSchema(t)
+	id := sch.put(t, "a", "running", `{}`)
+	sch.exec(t, `UPDATE workqueue SET state = '{"big": 9007199254740993, "nested": {"l": [1.5, "x", null]}}' WHERE workqueue_id = $1`, id)
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		m.State["added"] = "yes"
+		return m.Advance("b")
+	})
+	sv.send(t, id)
+	sv.replies(t, 1)
+	_, _, state := sch.rowOf(t, id)
+	if want := `{"big": 9007199254740993, "added": "yes", "nested": {"l": [1.5, "x", null]}}`; state != want {
+		t.Errorf("state %s, want %s", state, want)
+	}
+}
+
+// A handler that commits m.Tx is a programming error that ends Serve.
+func TestHandlerMustNotCommit(t *testing.T) {
+	sch := newSchema(t)
+	id := sch.put(t, "a", "running", `{}`)
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		if err := m.Tx.Commit(); err == nil {
+			t.Error("commit of m.Tx succeeded")
+		}
+		return m.Done()
+	})
+	sv.send(t, id)
+	if err := sv.wait(t); err == nil || !strings.Contains(err.Error(), "owns Message.Tx") {
+		t.Errorf("serve: %v, want the Message.Tx ownership error", err)
+	}
+	if _, status, _ := sch.rowOf(t, id); status != "running" {
+		t.Errorf("row became %s", status)
+	}
+}
+
+// A lost connection ends Serve without replying; it never reconnects.
+func TestConnectionLost(t *testing.T) {
+	sch := newSchema(t)
+	first, second := sch.put(t, "a", "running", `{}`), sch.put(t, "a", "running", `{}`)
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error { return m.Done() })
+	sv.send(t, first)
+	sv.replies(t, 1)
+	app := "pepsi-" + sch.name
+	if n := sch.int(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1`, app); n != 1 {
+		t.Fatalf("terminated %d backends, want 1", n)
+	}
+	deadline := time.Now().Add(waitTimeout)
+	for sch.int(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, app) != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("timed out waiting for the backend to end")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	sv.send(t, second)
+	err := sv.wait(t)
+	if !errors.Is(err, ErrConnectionLost) {
+		t.Errorf("serve: %v, want ErrConnectionLost", err)
+	}
+	if n := sv.out.count(); n != 1 {
+		t.Errorf("%d writes, want only the first batch's", n)
+	}
+	if n := sch.int(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, app); n != 0 {
+		t.Errorf("%d sessions after the loss: the stage reconnected", n)
+	}
+	if _, status, _ := sch.rowOf(t, second); status != "running" {
+		t.Errorf("second row became %s", status)
+	}
+}
+
+func TestLoadConfig(t *testing.T) {
+	env := map[string]string{"PEPSI_STAGE": "parse", "PEPSI_NEXT": " enrich  deliver ", "PEPSI_DSN": "host=/x"}
+	getenv := func(k string) string { return env[k] }
+	cfg, err := loadConfig([]string{"-c", "/etc/pepsi/pepsi.conf", "worker"}, getenv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Stage != "parse" || strings.Join(cfg.Next, ",") != "enrich,deliver" || cfg.DSN != "host=/x" || cfg.ConfigFile != "/etc/pepsi/pepsi.conf" {
+		t.Errorf("config %+v", cfg)
+	}
+	if cfg, err := loadConfig([]string{"worker"}, getenv); err != nil || cfg.ConfigFile != "" {
+		t.Errorf("without -c: %+v, %v", cfg, err)
+	}
+	for _, c := range []struct {
+		args []string
+		key  string
+		val  string
+		want string
+	}{
+		{[]string{}, "", "", "usage"},
+		{[]string{"serve"}, "", "", "usage"},
+		{[]string{"-x", "worker"}, "", "", "usage"},
+		{[]string{"worker", "extra"}, "", "", "usage"},
+		{[]string{"worker"}, "PEPSI_STAGE", "", "PEPSI_STAGE"},
+		{[]string{"worker"}, "PEPSI_STAGE", "Bad Name", "stage name"},
+		{[]string{"worker"}, "PEPSI_NEXT", "ok b@d", "next stage name"},
+		{[]string{"worker"}, "PEPSI_DSN", "", "PEPSI_DSN"},
+	} {
+		saved := env[c.key]
+		if c.key != "" {
+			env[c.key] = c.val
+		}
+		_, err := loadConfig(c.args, getenv)
+		if c.key != "" {
+			env[c.key] = saved
+		}
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("args %q %s=%q: %v, want an error mentioning %q", c.args, c.key, c.val, err, c.want)
+		}
+	}
+}
+
+// Run as a real process: the test binary is the stage program (see TestMain).
+func TestRunProcess(t *testing.T) {
+	sch := newSchema(t)
+	a, b := sch.put(t, "a", "running", `{}`), sch.put(t, "a", "running", `{}`)
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := append(os.Environ(), "PEPSI_SDK_TEST_RUN=1", "PEPSI_STAGE=a", "PEPSI_NEXT=b", "PEPSI_DSN="+sch.dsn)
+
+	cmd := exec.Command(exe, "-c", "/nonexistent/pepsi.conf", "worker")
+	cmd.Env = env
+	cmd.Stdin = strings.NewReader(fmt.Sprintf("%d\n%d\n", a, b))
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("stage program: %v\n%s", err, stderr.Bytes())
+	}
+	if string(out) != "0\n0\n" {
+		t.Errorf("stdout %q, want two successes", out)
+	}
+	for _, id := range []int64{a, b} {
+		if stage, _, state := sch.rowOf(t, id); stage != "b" || !strings.Contains(state, `"by": "run"`) {
+			t.Errorf("row %d: stage %s state %s", id, stage, state)
+		}
+	}
+
+	cmd = exec.Command(exe, "serve")
+	cmd.Env = env
+	stderr.Reset()
+	cmd.Stderr = &stderr
+	err = cmd.Run()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 2 || !strings.Contains(stderr.String(), "usage") {
+		t.Errorf("bad usage: %v, stderr %q; want exit 2 and the usage", err, stderr.String())
+	}
+
+	cmd = exec.Command(exe, "worker")
+	cmd.Env = append(env, "PEPSI_DSN=host=/nonexistent port=1 sslmode=disable connect_timeout=5")
+	stderr.Reset()
+	cmd.Stderr = &stderr
+	cmd.Stdin = strings.NewReader("1\n")
+	err = cmd.Run()
+	if !errors.As(err, &exit) || exit.ExitCode() != 1 || !strings.Contains(stderr.String(), "connect to the database") {
+		t.Errorf("no database: %v, stderr %q; want exit 1 naming the connection", err, stderr.String())
+	}
+}
+
+// Many messages through many batches: every one gets its reply in order.
+func TestManyMessages(t *testing.T) {
+	sch := newSchema(t)
+	sch.exec(t, `INSERT INTO workqueue (stage, status, payload) SELECT 'a', 'running', jsonb_build_object('n', i) FROM generate_series(1, 500) i`)
+	rows, err := sch.db.Query(`SELECT workqueue_id FROM workqueue ORDER BY workqueue_id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	rows.Close()
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		if m.ID%7 == 0 {
+			return errors.New("seven " + strconv.FormatInt(m.ID, 10))
+		}
+		return m.Advance("b")
+	})
+	// Written in chunks of varying size, the way the dispatcher tops up a worker's queue.
+	go func() {
+		for i := 0; i < len(ids); {
+			n := min(1+i%37, len(ids)-i)
+			var b strings.Builder
+			for _, id := range ids[i : i+n] {
+				fmt.Fprintf(&b, "%d\n", id)
+			}
+			if _, err := io.WriteString(sv.in, b.String()); err != nil {
+				return // serve ended; the test reports it
+			}
+			i += n
+		}
+	}()
+	r := sv.replies(t, len(ids))
+	for i, id := range ids {
+		want := "0"
+		if id%7 == 0 {
+			want = "1 seven " + strconv.FormatInt(id, 10)
+		}
+		if r[i] != want {
+			t.Fatalf("reply %d for id %d = %q, want %q", i, id, r[i], want)
+		}
+	}
+	if n := sch.int(t, `SELECT count(*) FROM workqueue WHERE stage = 'b' AND status = 'pending'`); n != len(ids)-len(ids)/7 {
+		t.Errorf("%d advanced", n)
+	}
+	if w := sv.out.count(); w >= len(ids) {
+		t.Errorf("%d writes for %d messages: no batching", w, len(ids))
+	}
+}
+
+func TestOneLine(t *testing.T) {
+	for in, want := range map[string]string{
+		"":           "failed",
+		" \n ":       "failed",
+		"a\nb":       "a b",
+		"x\x00y\x7f": "x y",
+	} {
+		if got := oneLine(in); got != want {
+			t.Errorf("oneLine(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+// Outcomes kept for the batch's outcome statement: a row that moved meanwhile fails only its
+// message; a state that jsonb rejects fails only its message (the statement falls back to one
+// UPDATE per outcome); an outcome chosen before the handler's own statement is written with it.
+func TestKeptOutcomes(t *testing.T) {
+	sch := newSchema(t)
+	moved := sch.put(t, "a", "running", `{"case": "moved"}`)
+	badState := sch.put(t, "a", "running", `{"case": "nul"}`)
+	writesAfter := sch.put(t, "a", "running", `{"case": "after"}`)
+	failsAfter := sch.put(t, "a", "running", `{"case": "after", "fail": true}`)
+	plain := sch.put(t, "a", "running", `{"case": "plain"}`)
+	entered, release := make(chan struct{}), make(chan struct{})
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		p := string(m.Payload)
+		switch {
+		case strings.Contains(p, "moved"):
+			if err := m.Advance("b"); err != nil {
+				return err
+			}
+			close(entered)
+			<-release
+		case strings.Contains(p, "nul"):
+			m.State["bad"] = "a\x00b" // valid JSON ("\u0000"), refused by jsonb
+			return m.Done()
+		case strings.Contains(p, "after"):
+			if err := m.Advance("c"); err != nil {
+				return err
+			}
+			m.State["late"] = true // after the outcome: not written
+			if _, err := m.Tx.ExecContext(ctx, `INSERT INTO side (id, note) VALUES ($1, 'after')`, m.ID); err != nil {
+				return err
+			}
+			if strings.Contains(p, "fail") {
+				return errors.New("failed after writing")
+			}
+		default:
+			return m.Defer(time.Now().Add(time.Hour))
+		}
+		return nil
+	})
+	sv.send(t, moved, badState, writesAfter, failsAfter, plain)
+	select {
+	case <-entered:
+	case <-time.After(waitTimeout):
+		t.Fatal("timed out waiting for the handler")
+	}
+	// The dispatcher took the claim back meanwhile (as after a timeout).
+	sch.exec(t, `UPDATE workqueue SET status = 'pending' WHERE workqueue_id = $1`, moved)
+	close(release)
+	r := sv.replies(t, 5)
+	wantFailure(t, r[0], "claim lost")
+	wantFailure(t, r[1], "unsupported Unicode escape")
+	if r[2] != "0" || r[4] != "0" {
+		t.Errorf("replies %q: want 0 for the third and fifth", r)
+	}
+	wantFailure(t, r[3], "failed after writing")
+	check := func(id int64, wantStage, wantStatus, wantState string) {
+		t.Helper()
+		if stage, status, state := sch.rowOf(t, id); stage != wantStage || status != wantStatus || state != wantState {
+			t.Errorf("row %d: %s/%s %s, want %s/%s %s", id, stage, status, state, wantStage, wantStatus, wantState)
+		}
+	}
+	check(moved, "a", "pending", `{"orig": 1}`)
+	check(badState, "a", "running", `{"orig": 1}`)
+	check(writesAfter, "c", "pending", `{"orig": 1}`)
+	check(failsAfter, "a", "running", `{"orig": 1}`)
+	check(plain, "a", "paused", `{"orig": 1}`)
+	if n := sch.int(t, `SELECT count(*) FROM side`); n != 1 {
+		t.Errorf("%d side rows, want only the one of the message that succeeded", n)
+	}
+}
+
+// A cancelled context ends Serve at its next batch, without replies: nothing is committed.
+func TestContextCancelled(t *testing.T) {
+	sch := newSchema(t)
+	id := sch.put(t, "a", "running", `{}`)
+	ctx, cancel := context.WithCancel(context.Background())
+	inR, inW := io.Pipe()
+	out := newRecorder()
+	done := make(chan error, 1)
+	go func() {
+		done <- Serve(ctx, Config{Stage: "a", DSN: sch.dsn}, inR, out, func(ctx context.Context, m *Message) error {
+			return m.Done()
+		})
+		inR.Close()
+	}()
+	cancel()
+	io.WriteString(inW, fmt.Sprintf("%d\n", id)) // may fail if Serve saw the cancel first
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("serve: %v, want context.Canceled", err)
+		}
+	case <-time.After(waitTimeout):
+		t.Fatal("timed out waiting for serve to return")
+	}
+	if n := out.count(); n != 0 {
+		t.Errorf("%d writes after the cancel", n)
+	}
+	if _, status, _ := sch.rowOf(t, id); status != "running" {
+		t.Errorf("row became %s", status)
+	}
+}
