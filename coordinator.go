@@ -108,7 +108,7 @@ func newCoordinator(ctx context.Context, cfg *Config, log *slog.Logger, db *sql.
 	c.workerDSN = dsnWith(cfg.DSN, "application_name", inst.appName(appWorker))
 	for _, kv := range os.Environ() {
 		k, _, _ := strings.Cut(kv, "=")
-		if k == "PEPSI_STAGE" || k == "PEPSI_NEXT" || k == "PEPSI_DSN" || k == "PGAPPNAME" {
+		if k == "PEPSI_STAGE" || k == "PEPSI_NEXT" || k == "PEPSI_DSN" || k == "PEPSI_FUSE" || k == "PGAPPNAME" {
 			continue
 		}
 		c.workerEnv = append(c.workerEnv, kv)
@@ -124,7 +124,7 @@ func (c *coordinator) setStages(stages map[string]*StageConfig) {
 	old := c.pools
 	c.pools = map[string]*pool{}
 	for name, s := range stages {
-		p := &pool{id: c.nextPoolID, cfg: s, gen: c.gen}
+		p := &pool{id: c.nextPoolID, cfg: s, gen: c.gen, fuse: fuseList(stages, name)}
 		c.nextPoolID++
 		if o := old[name]; o != nil && o.cfg.Program == s.Program {
 			p.holdUntil, p.holdDelay = o.holdUntil, o.holdDelay // same program: same trouble
@@ -407,7 +407,8 @@ func (c *coordinator) spawn(p *pool, now time.Time) *worker {
 	env := append(c.workerEnv[:len(c.workerEnv):len(c.workerEnv)],
 		"PEPSI_STAGE="+p.cfg.Name,
 		"PEPSI_NEXT="+strings.Join(p.cfg.Next, " "),
-		"PEPSI_DSN="+c.workerDSN)
+		"PEPSI_DSN="+c.workerDSN,
+		"PEPSI_FUSE="+p.fuse)
 	w, err := startWorker(c.ctx, c.wg, c.events, c.log, id, p.cfg, p.gen, env, c.cfg.Dispatch.ConfigFile)
 	if err != nil {
 		d := p.hold(now)

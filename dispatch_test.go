@@ -533,3 +533,20 @@ func TestMissingSchema(t *testing.T) {
 		t.Errorf("no hint how to apply the schema:\n%s", d.log.String())
 	}
 }
+
+func TestFuseList(t *testing.T) {
+	st := func(next string, fuse bool) *StageConfig {
+		return &StageConfig{Next: strings.Fields(next), Fuse: fuse}
+	}
+	stages := map[string]*StageConfig{
+		"parse": st("enrich spam", false), "enrich": st("deliver", true), "deliver": st("", true),
+		"spam": st("", false), "loop": st("loop", true),
+	}
+	for name, want := range map[string]string{
+		"parse": "enrich=deliver deliver=", "enrich": "deliver=", "deliver": "", "spam": "", "loop": "",
+	} {
+		if got := fuseList(stages, name); got != want {
+			t.Errorf("fuseList(%s) = %q, want %q", name, got, want)
+		}
+	}
+}

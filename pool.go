@@ -12,6 +12,7 @@
 package main
 
 import (
+	"strings"
 	"time"
 )
 
@@ -37,6 +38,30 @@ type pool struct {
 
 	holdUntil time.Time     // no claims and no starts before this
 	holdDelay time.Duration // the next cool-down
+
+	fuse string // PEPSI_FUSE for its workers: the stages they may run in the same pass
+}
+
+// fuseList returns PEPSI_FUSE for stage name: every FUSE = yes stage reachable from it through
+// NEXT links that all lead to FUSE = yes stages, each with its own NEXT list, as
+// "STAGE=NEXT1,NEXT2 STAGE2=" in a stable order. A worker may run those stages in the pass of
+// a message of this stage (stage fusion), if its program implements them.
+func fuseList(stages map[string]*StageConfig, name string) string {
+	var out []string
+	seen := map[string]bool{name: true}
+	queue := []string{name}
+	for len(queue) > 0 {
+		s := stages[queue[0]]
+		queue = queue[1:]
+		for _, n := range s.Next {
+			if t := stages[n]; t != nil && t.Fuse && !seen[n] {
+				seen[n] = true
+				out = append(out, n+"="+strings.Join(t.Next, ","))
+				queue = append(queue, n)
+			}
+		}
+	}
+	return strings.Join(out, " ")
 }
 
 // held reports whether the stage is cooling down.
