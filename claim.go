@@ -9,6 +9,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"fmt"
@@ -21,7 +22,8 @@ import (
 // claimSQL takes up to cap pending rows per stage. $1 = stage names, $2 = capacities.
 // The UPDATE repeats status = 'pending' so that a row changed by someone else between the
 // scan and the update (an operator, say) is re-checked under READ COMMITTED, not overwritten.
-// The final row of the result (workqueue_id NULL) carries the earliest paused retry_at.
+// The final row of the result (workqueue_id NULL) carries the earliest paused retry_at and
+// whether the fan-in inbox holds unapplied events (for writers the coordinator cannot hear).
 const claimSQL = `
 WITH caps AS (
     SELECT c.stage, c.cap FROM unnest($1::text[], $2::int[]) AS c(stage, cap)
@@ -39,15 +41,17 @@ WITH caps AS (
      WHERE q.workqueue_id = picked.workqueue_id AND q.status = 'pending'
     RETURNING q.workqueue_id, q.stage, q.claim, q.attempts, q.fanout_id
 )
-SELECT workqueue_id, stage, claim, attempts, fanout_id, NULL::timestamptz FROM claimed
+SELECT workqueue_id, stage, claim, attempts, fanout_id, NULL::timestamptz, NULL::boolean FROM claimed
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused')`
+SELECT NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused'),
+       EXISTS (SELECT 1 FROM fanin_event)`
 
 // claimResult is what one claim returned.
 type claimResult struct {
 	byStage   map[string][]*message // claimed rows per stage, in id order
 	total     int
 	nextRetry time.Time // earliest paused row's due time; zero if none
+	inbox     bool      // the fan-in inbox is not empty
 }
 
 // claimer runs the claim statement on the lock connection, prepared once per connection.
@@ -91,13 +95,15 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 		var id, claim, attempts, fanout sql.NullInt64
 		var stage sql.NullString
 		var next sql.NullTime
-		if err := rows.Scan(&id, &stage, &claim, &attempts, &fanout, &next); err != nil {
+		var inbox sql.NullBool
+		if err := rows.Scan(&id, &stage, &claim, &attempts, &fanout, &next, &inbox); err != nil {
 			return res, fmt.Errorf("claim: read row: %w", err)
 		}
 		if !id.Valid {
 			if next.Valid {
 				res.nextRetry = next.Time
 			}
+			res.inbox = inbox.Bool
 			continue
 		}
 		m := &message{id: id.Int64, stage: stage.String, claim: claim.Int64,
@@ -110,7 +116,7 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 	}
 	// RETURNING has no order; workers get their messages in id (enqueue) order.
 	for _, msgs := range res.byStage {
-		slices.SortFunc(msgs, func(a, b *message) int { return int(a.id - b.id) })
+		slices.SortFunc(msgs, func(a, b *message) int { return cmp.Compare(a.id, b.id) })
 	}
 	return res, nil
 }

@@ -35,6 +35,8 @@ const (
 	maxMessagesDefault = 1000
 	maxAttemptsDefault = 5
 	retryDelayDefault  = 30 * time.Second
+	maxChildrenDefault = 10000 // fanin.md §3.11
+	minSpanDefault     = 1000
 
 	// queueLimitMax bounds QUEUE_LIMIT so that a worker's whole pipeline of ids (at most
 	// 21 bytes each) always fits in a pipe buffer (64 KiB on Linux): the coordinator's write
@@ -70,6 +72,13 @@ type DispatchConfig struct {
 	User              string        // account to drop to when started as root
 	MetricsListen     string        // host:port of the /metrics endpoint; "" = off
 	Retention         time.Duration // delete done rows older than this; 0 = keep
+
+	FaninBatch    int           // inbox rows per flush statement
+	FaninMaxDelay time.Duration // longest a fan-in hint waits for company before a flush
+	FaninMinHints int           // this many hints flush at once
+	SweepInterval time.Duration // between passes of the fan-in safety sweep
+	SweepPage     int           // open groups recounted per sweep statement
+	SweepMinAge   time.Duration // groups younger than this are left to the flushes
 }
 
 // PoolCounterConfig is the [poolcounter] section: the lock service is off unless Listen is set.
@@ -88,6 +97,8 @@ type StageConfig struct {
 	MaxAttempts int           // failures before a message is marked failed
 	RetryDelay  time.Duration // first retry delay, doubled per failed attempt
 	Fuse        bool          // a predecessor's worker may run this stage in its own pass
+	MaxChildren int           // a range split makes at most this many children (PEPSI_MAX_CHILDREN)
+	MinSpan     int64         // each range slice spans at least this much (PEPSI_MIN_SPAN)
 
 	origin map[string]string // key (and "" for the section) -> "FILE:LINE" for errors
 }
@@ -100,7 +111,8 @@ func (s *StageConfig) equal(o *StageConfig) bool {
 	return s.Name == o.Name && s.Program == o.Program && slices.Equal(s.Next, o.Next) &&
 		s.Parallelism == o.Parallelism && s.QueueLimit == o.QueueLimit &&
 		s.MaxMessages == o.MaxMessages && s.MaxAttempts == o.MaxAttempts &&
-		s.RetryDelay == o.RetryDelay && s.Fuse == o.Fuse
+		s.RetryDelay == o.RetryDelay && s.Fuse == o.Fuse &&
+		s.MaxChildren == o.MaxChildren && s.MinSpan == o.MinSpan
 }
 
 // configError is an operator mistake in the file or the overlay; start-up maps it to exit 2.
@@ -235,6 +247,12 @@ func loadConfig(path string) (*Config, error) {
 			ShutdownGrace:     shutdownGraceDefault,
 			DBPoolSize:        dbPoolSizeDefault,
 			User:              userDefault,
+			FaninBatch:        faninBatchDefault,
+			FaninMaxDelay:     faninMaxDelayDefault,
+			FaninMinHints:     faninMinHintsDefault,
+			SweepInterval:     sweepIntervalDefault,
+			SweepPage:         sweepPageDefault,
+			SweepMinAge:       sweepMinAgeDefault,
 		},
 	}
 	for _, e := range entries {
@@ -300,6 +318,18 @@ func (d *DispatchConfig) set(e iniEntry) error {
 			err = errors.New("must name an account")
 		}
 		d.User = e.Value
+	case "FANIN_BATCH":
+		d.FaninBatch, err = parseCount(e.Value, 1, 1000000)
+	case "FANIN_MAX_DELAY":
+		d.FaninMaxDelay, err = parsePositiveDuration(e.Value)
+	case "FANIN_MIN_HINTS":
+		d.FaninMinHints, err = parseCount(e.Value, 1, 1000000)
+	case "SWEEP_INTERVAL":
+		d.SweepInterval, err = parsePositiveDuration(e.Value)
+	case "SWEEP_PAGE":
+		d.SweepPage, err = parseCount(e.Value, 1, 100000)
+	case "SWEEP_MIN_AGE":
+		d.SweepMinAge, err = parseDuration(e.Value)
 	case "METRICS_LISTEN":
 		if _, _, ok := strings.Cut(e.Value, ":"); !ok {
 			err = fmt.Errorf("want host:port, got %q", e.Value)
@@ -337,6 +367,8 @@ func buildStages(file []iniEntry, overlay []overlayRow) (map[string]*StageConfig
 			MaxMessages: maxMessagesDefault,
 			MaxAttempts: maxAttemptsDefault,
 			RetryDelay:  retryDelayDefault,
+			MaxChildren: maxChildrenDefault,
+			MinSpan:     minSpanDefault,
 			origin:      map[string]string{"": where},
 		}
 		stages[name] = s
@@ -398,6 +430,12 @@ func (s *StageConfig) set(key, value string) error {
 		s.RetryDelay, err = parseDuration(value)
 	case "FUSE":
 		s.Fuse, err = parseBool(value)
+	case "MAX_CHILDREN":
+		s.MaxChildren, err = parseCount(value, 1, 10000000)
+	case "MIN_SPAN":
+		var n int
+		n, err = parseCount(value, 1, 1<<31-1)
+		s.MinSpan = int64(n)
 	default:
 		return fmt.Errorf("unknown key in [stage-%s]", s.Name)
 	}

@@ -82,6 +82,7 @@ type coordinator struct {
 	shutdown bool  // a signal arrived: no claims, workers finish their queues
 	fatal    error // ends the loop with exit status 1
 
+	fanin    *fanin         // fan-in hints, flush and sweep state
 	metrics  *metricsServer // nil unless METRICS_LISTEN is set
 	notifier *notifier      // systemd readiness and watchdog; no-op outside systemd
 	retain   *retainer      // nil unless RETENTION is set
@@ -108,12 +109,13 @@ func newCoordinator(ctx context.Context, cfg *Config, log *slog.Logger, db *sql.
 	c.workerDSN = dsnWith(cfg.DSN, "application_name", inst.appName(appWorker))
 	for _, kv := range os.Environ() {
 		k, _, _ := strings.Cut(kv, "=")
-		if k == "PEPSI_STAGE" || k == "PEPSI_NEXT" || k == "PEPSI_DSN" || k == "PEPSI_FUSE" || k == "PGAPPNAME" {
+		if strings.HasPrefix(k, "PEPSI_") && k != "PEPSI_TEST_WORKER" || k == "PGAPPNAME" {
 			continue
 		}
 		c.workerEnv = append(c.workerEnv, kv)
 	}
 	c.workerEnv = append(c.workerEnv, "PGAPPNAME="+inst.appName(appWorker))
+	c.fanin = newFanin(cfg.Dispatch, &c.stats.Fanin)
 	c.setStages(cfg.Stages)
 	return c
 }
@@ -225,6 +227,14 @@ func (c *coordinator) settle() {
 			return
 		}
 	}
+	if due, at := c.fanin.due(time.Now()); due {
+		if err := c.faninFlush(); err != nil {
+			c.dbTrouble("fan-in flush", err)
+			return
+		}
+	} else if !at.IsZero() {
+		c.timers.scheduleEarlier(timerKey{kind: timerFanin}, at)
+	}
 	if c.retryWanted {
 		n, next, err := flipDue(c.ctx, c.inst.conn)
 		if err != nil {
@@ -265,6 +275,9 @@ func (c *coordinator) writeOutcomes() bool {
 		for _, o := range out {
 			if o.status == "failed" {
 				c.stats.Global.Failed++
+				if g := fanoutOf(c.failures, o.id); g != 0 {
+					c.fanin.hint(g) // our own terminal write of a child
+				}
 			} else {
 				c.timers.scheduleEarlier(timerKey{kind: timerRetry}, o.retryAt)
 			}
@@ -302,6 +315,16 @@ func (c *coordinator) dbTrouble(what string, err error) {
 	c.log.Warn("database refused a statement; will retry", "op", what, "err", err, "retry_in", d.Round(time.Millisecond))
 	c.dbWaiting = true
 	c.timers.schedule(timerKey{kind: timerDB}, time.Now().Add(d))
+}
+
+// fanoutOf returns the group of the failed message id, 0 if it is not a fan-out child.
+func fanoutOf(fs []failure, id int64) int64 {
+	for _, f := range fs {
+		if f.m.id == id {
+			return f.m.fanout
+		}
+	}
+	return 0
 }
 
 // pingLock checks the lock connection, without letting a hung server hold the loop.
@@ -345,6 +368,7 @@ func (c *coordinator) claim() {
 	}
 	c.dbBackoff.reset()
 	c.scheduleRetry(res.nextRetry)
+	c.fanin.inbox = res.inbox
 	c.backlog = false
 	if res.total == 0 {
 		return
@@ -408,7 +432,9 @@ func (c *coordinator) spawn(p *pool, now time.Time) *worker {
 		"PEPSI_STAGE="+p.cfg.Name,
 		"PEPSI_NEXT="+strings.Join(p.cfg.Next, " "),
 		"PEPSI_DSN="+c.workerDSN,
-		"PEPSI_FUSE="+p.fuse)
+		"PEPSI_FUSE="+p.fuse,
+		"PEPSI_MAX_CHILDREN="+strconv.Itoa(p.cfg.MaxChildren),
+		"PEPSI_MIN_SPAN="+strconv.FormatInt(p.cfg.MinSpan, 10))
 	w, err := startWorker(c.ctx, c.wg, c.events, c.log, id, p.cfg, p.gen, env, c.cfg.Dispatch.ConfigFile)
 	if err != nil {
 		d := p.hold(now)
@@ -495,6 +521,9 @@ func (c *coordinator) pop(w *worker, now time.Time) *message {
 // onSuccess credits a message the stage has already moved on.
 func (c *coordinator) onSuccess(w *worker, m *message, text string) {
 	c.claimWanted = true // the stage may have advanced it: the next claim takes it
+	if m.fanout != 0 {
+		c.fanin.hint(m.fanout) // a child may have finished: cheap, and the flush is batched
+	}
 	if n := c.stageFailing[w.stage]; n > 0 {
 		c.log.Info("stage recovered", "stage", w.stage, "failures_before", n)
 		delete(c.stageFailing, w.stage)
@@ -749,6 +778,14 @@ func (c *coordinator) onTimers() {
 			c.dbWaiting = false
 		case timerRelock:
 			c.relock()
+		case timerFanin:
+			// settle decides: the coalescing delay is over.
+		case timerSweep:
+			if c.locked && !c.shutdown {
+				c.faninSweep()
+			} else {
+				c.timers.schedule(key, now.Add(time.Second))
+			}
 		case timerSDWatchdog:
 			// Sent from the loop itself: a coordinator stuck anywhere stops the pings.
 			c.notifier.send("WATCHDOG=1")

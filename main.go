@@ -253,12 +253,16 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-ch
 	}
 
 	cctx, stop := context.WithCancel(ctx)
+	defer stop()
 	c := newCoordinator(cctx, &run, log, db, inst, listener.Notify, sigs, version)
 	if metrics != nil {
 		metrics.db = db
 		c.metrics = metrics
 		metrics.publish(c.snapshot())
 		metrics.start()
+	}
+	if err := c.faninStartup(); err != nil {
+		return err
 	}
 	c.notifier = sd
 	if cfg.Dispatch.Retention > 0 {

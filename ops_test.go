@@ -253,18 +253,31 @@ func TestSystemdNotify(t *testing.T) {
 func TestRetention(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, `INSERT INTO workqueue (stage, status, created_at)
-		SELECT 'zz', st, now() - interval '10 days' FROM unnest(ARRAY['pending','paused','waiting','failed']) st`)
+		SELECT 'zz', st, now() - interval '10 days' FROM unnest(ARRAY['pending','paused','failed']) st`)
+	// A parent waiting on an open group of two children, one of them done long ago: its parent
+	// still needs it, so retention must leave it (and the fan-in trigger would refuse anyway).
+	parent := insertOne(t, s, "zz", `{}`)
+	var group int64
+	if err := s.DB.QueryRow(`INSERT INTO fanout (parent_id, expected_n) VALUES ($1, 2) RETURNING fanout_id`, parent).Scan(&group); err != nil {
+		t.Fatal(err)
+	}
+	s.exec(t, `UPDATE workqueue SET status = 'waiting', wait_fanout_id = $2, created_at = now() - interval '10 days' WHERE workqueue_id = $1`, parent, group)
+	s.exec(t, `INSERT INTO workqueue (stage, status, fanout_id, fanout_seq, created_at)
+		SELECT 'zz', st, $1, n, now() - interval '10 days' FROM unnest(ARRAY['done', 'pending']) WITH ORDINALITY AS x(st, n)`, group)
 	s.exec(t, `INSERT INTO workqueue (stage, status, created_at) SELECT 'zz', 'done', now() - interval '10 days' FROM generate_series(1, 2500)`)
 	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'zz', 'done' FROM generate_series(1, 7)`)
 	d := startDaemon(t, baseConf(s, "RETENTION = 7d"), "pipeline")
 	waitFor(t, 30*time.Second, "old done rows deleted", func() bool {
-		return s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'done'`) == 7
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'done'`) == 8
 	})
 	d.waitLog("retention: deleted old done rows", 5*time.Second)
-	for _, st := range []string{"pending", "paused", "waiting", "failed"} {
-		if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status = $1`, st); n != 1 {
-			t.Errorf("retention touched a %s row (%d left)", st, n)
+	for st, want := range map[string]int{"pending": 2, "paused": 1, "waiting": 1, "failed": 1} {
+		if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status = $1`, st); n != want {
+			t.Errorf("retention touched a %s row (%d left, want %d)", st, n, want)
 		}
+	}
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'done' AND fanout_id IS NOT NULL`); n != 1 {
+		t.Errorf("retention deleted the done child of an open group")
 	}
 	d.stop()
 }

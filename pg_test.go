@@ -157,12 +157,6 @@ func newTestSchema(t testing.TB) *testSchema {
 	if _, err := db.Exec(string(ddl)); err != nil {
 		t.Fatalf("apply schema.sql in %s: %v", name, err)
 	}
-	// fanin.sql is developed beside schema.sql and merged into it before it lands.
-	if extra, err := os.ReadFile("fanin.sql"); err == nil {
-		if _, err := db.Exec(string(extra)); err != nil {
-			t.Fatalf("apply fanin.sql in %s: %v", name, err)
-		}
-	}
 	t.Cleanup(func() {
 		db.Close()
 		admin, err := sql.Open("postgres", base)

@@ -70,9 +70,11 @@ func (g globalCounters) sub(old globalCounters) globalCounters {
 type Stats struct {
 	Stages  map[string]*stageCounters
 	Global  globalCounters
+	Fanin   faninCounters
 	flushed struct {
 		stages map[string]stageCounters
 		global globalCounters
+		fanin  faninCounters
 	}
 }
 
@@ -102,7 +104,7 @@ func (c *stageCounters) observe(ms int64) {
 
 // dirty reports whether anything changed since the last flush.
 func (s *Stats) dirty() bool {
-	if s.Global != s.flushed.global {
+	if s.Global != s.flushed.global || s.Fanin != s.flushed.fanin {
 		return true
 	}
 	for name, c := range s.Stages {
@@ -129,7 +131,11 @@ ON CONFLICT (stage) DO UPDATE SET
 
 const flushGlobalSQL = `
 UPDATE dispatch_stats SET stage_runs = stage_runs + $1, claims = claims + $2, done = done + $3,
-       failed = failed + $4, retried = retried + $5, updated_at = now()
+       failed = failed + $4, retried = retried + $5,
+       fanin_events = fanin_events + $6, fanin_flushes = fanin_flushes + $7,
+       fanin_flush_ms = fanin_flush_ms + $8, fanin_wakes = fanin_wakes + $9,
+       fanin_late_events = fanin_late_events + $10, fanin_sweep_repaired = fanin_sweep_repaired + $11,
+       fanin_quarantined = fanin_quarantined + $12, updated_at = now()
  WHERE id = 1`
 
 // flush writes the deltas since the last flush in one transaction. Nothing is written when
@@ -152,6 +158,7 @@ func (s *Stats) flush(ctx context.Context, db *sql.DB) (bool, error) {
 		}
 	}
 	g := s.Global.sub(s.flushed.global)
+	f := s.Fanin.sub(s.flushed.fanin)
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return false, fmt.Errorf("flush statistics: %w", err)
@@ -166,8 +173,9 @@ func (s *Stats) flush(ctx context.Context, db *sql.DB) (bool, error) {
 			return false, fmt.Errorf("flush statistics: stage_stats: %w", err)
 		}
 	}
-	if g != (globalCounters{}) {
-		if _, err := tx.ExecContext(ctx, flushGlobalSQL, g.StageRuns, g.Claims, g.Done, g.Failed, g.Retried); err != nil {
+	if g != (globalCounters{}) || f != (faninCounters{}) {
+		if _, err := tx.ExecContext(ctx, flushGlobalSQL, g.StageRuns, g.Claims, g.Done, g.Failed, g.Retried,
+			f.Events, f.Flushes, f.FlushMs, f.Wakes, f.LateEvents, f.SweepRepaired, f.Quarantined); err != nil {
 			return false, fmt.Errorf("flush statistics: dispatch_stats: %w", err)
 		}
 	}
@@ -178,5 +186,6 @@ func (s *Stats) flush(ctx context.Context, db *sql.DB) (bool, error) {
 		s.flushed.stages[name] = *c
 	}
 	s.flushed.global = s.Global
+	s.flushed.fanin = s.Fanin
 	return true, nil
 }

@@ -1,0 +1,279 @@
+// fanin.go: the coordinator's side of fan-out / fan-in (fanin.md §3.4–3.8).
+//
+// Children record their entry into and exit from {done, failed} themselves, in their own
+// transaction, through a trigger into the fanin_event inbox (schema.sql). The coordinator is
+// the only consumer: it applies the inbox in batches (fanin_flush), which updates each group's
+// counters once per flush and wakes complete groups' parents exactly once. It learns that
+// there is something to flush from facts it already has — status lines of claimed children
+// (the claim returns fanout_id) and its own failure writes — and, for out-of-band writers,
+// from the claim's own "inbox not empty" column at every heartbeat: no NOTIFY per child, and
+// no query of its own when idle. A slow keyset-paged sweep recounts open groups from the
+// children rows and repairs drift; a repair is an alarm.
+//
+// The wake rule (§3.7): flush at once when a hinted group may be complete (its remaining
+// children ≤ the hints seen for it), else coalesce until FANIN_MIN_HINTS hints or
+// FANIN_MAX_DELAY after the previous flush. Owned by the coordinator goroutine.
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/lib/pq"
+)
+
+// Defaults of the fan-in keys of [pepsi-dispatch] (fanin.md §3.11).
+const (
+	faninBatchDefault    = 10000
+	faninMaxDelayDefault = 250 * time.Millisecond
+	faninMinHintsDefault = 100
+	sweepIntervalDefault = 300 * time.Second
+	sweepPageDefault     = 500
+	sweepMinAgeDefault   = 60 * time.Second
+
+	// sweepNextPage: the pause between pages of one sweep pass, so a pass over many groups
+	// never monopolises the loop.
+	sweepNextPage = 100 * time.Millisecond
+)
+
+// faninCounters are the fan-in statistics (dispatch_stats columns of the same names).
+type faninCounters struct {
+	Events        int64 // inbox rows consumed
+	Flushes       int64 // flush statements
+	FlushMs       int64 // time spent in them
+	Wakes         int64 // parents woken
+	LateEvents    int64 // events of groups already fired
+	SweepRepaired int64 // groups whose counters the sweep had to correct (alarm)
+	Quarantined   int64 // groups whose events tripped a guard (alarm)
+}
+
+func (f faninCounters) sub(o faninCounters) faninCounters {
+	return faninCounters{f.Events - o.Events, f.Flushes - o.Flushes, f.FlushMs - o.FlushMs,
+		f.Wakes - o.Wakes, f.LateEvents - o.LateEvents, f.SweepRepaired - o.SweepRepaired,
+		f.Quarantined - o.Quarantined}
+}
+
+// fanin is the coordinator's fan-in state.
+type fanin struct {
+	batch    int
+	maxDelay time.Duration
+	minHints int
+
+	hints      int            // hints since the last flush
+	hinted     map[int64]int  // hints per group since the last flush
+	remaining  map[int64]int  // remaining children per open group, as of the last flush that saw it
+	lastFlush  time.Time      // the last flush attempt
+	inbox      bool           // the last claim saw unapplied events
+	sweepAfter int64          // the sweep's keyset cursor; 0 = start of a pass
+	failpoint  string         // PEPSI_FAILPOINT, "" in production
+	stats      *faninCounters // in c.stats
+	log        func(string, ...any)
+}
+
+func newFanin(cfg DispatchConfig, stats *faninCounters) *fanin {
+	return &fanin{
+		batch: cfg.FaninBatch, maxDelay: cfg.FaninMaxDelay, minHints: cfg.FaninMinHints,
+		hinted: map[int64]int{}, remaining: map[int64]int{}, stats: stats,
+		failpoint: os.Getenv("PEPSI_FAILPOINT"),
+	}
+}
+
+// hit exits the process at the named failpoint when PEPSI_FAILPOINT names it: fault injection
+// for the crash tests (fanin.md §3.13). Nothing happens in production (the variable is unset).
+func (f *fanin) hit(name string) {
+	if f.failpoint == name {
+		fmt.Fprintf(os.Stderr, "pepsi-dispatch: failpoint %s: exiting with status 137\n", name)
+		os.Exit(137)
+	}
+}
+
+// hint notes that a child of group g may have reached (or left) a terminal status.
+func (f *fanin) hint(g int64) {
+	f.hints++
+	f.hinted[g]++
+}
+
+// due reports whether a flush should run now, and if not, when (zero: no hint pending).
+func (f *fanin) due(now time.Time) (bool, time.Time) {
+	if f.hints == 0 && !f.inbox {
+		return false, time.Time{}
+	}
+	if f.hints >= f.minHints {
+		return true, now
+	}
+	for g, n := range f.hinted {
+		if r, ok := f.remaining[g]; !ok || r <= n {
+			return true, now // unknown or possibly complete: variant 4's "few remain" path
+		}
+	}
+	at := f.lastFlush.Add(f.maxDelay)
+	return !now.Before(at), at
+}
+
+// flushResult is one fanin_flush call's result.
+type flushResult struct {
+	events, groupsFired, woken, late, quarantined int
+	openIDs                                       []int64
+	openRemaining                                 []int64
+}
+
+// flushSQL is one flush. A failpoint between the statement and its commit needs an explicit
+// transaction; in production the statement commits on its own (one round trip).
+const flushSQL = `SELECT events, groups_fired, parents_woken, late_events, quarantined, open_ids, open_remaining
+                    FROM fanin_flush($1)`
+
+// flush applies the inbox until it is empty (or a batch comes back short).
+func (c *coordinator) faninFlush() error {
+	f := c.fanin
+	start := time.Now()
+	f.lastFlush = start
+	for {
+		var r flushResult
+		err := c.faninFlushOnce(&r)
+		if err != nil {
+			return err
+		}
+		f.stats.Flushes++
+		f.stats.Events += int64(r.events)
+		f.stats.Wakes += int64(r.woken)
+		f.stats.LateEvents += int64(r.late)
+		f.stats.Quarantined += int64(r.quarantined)
+		if r.quarantined > 0 {
+			c.log.Error("fan-in: groups quarantined (inconsistent completion evidence); the sweep will recount them",
+				"groups", r.quarantined)
+			c.timers.schedule(timerKey{kind: timerSweep}, time.Now())
+		}
+		for i, g := range r.openIDs {
+			f.remaining[g] = int(r.openRemaining[i])
+		}
+		if r.woken > 0 {
+			c.claimWanted = true // the woken parents are pending at their continuation stage
+			c.log.Debug("fan-in: parents woken", "parents", r.woken, "groups_fired", r.groupsFired)
+		}
+		if r.events < f.batch {
+			break
+		}
+	}
+	f.stats.FlushMs += time.Since(start).Milliseconds()
+	f.hints = 0
+	f.inbox = false
+	clear(f.hinted)
+	// Forget groups not hinted for a long time: remaining is only a shortcut for the wake
+	// rule, and a group we know nothing about is flushed at its next hint anyway.
+	if len(f.remaining) > 100000 {
+		clear(f.remaining)
+	}
+	return nil
+}
+
+func (c *coordinator) faninFlushOnce(r *flushResult) error {
+	f := c.fanin
+	scan := func(row *sql.Row) error {
+		return row.Scan(&r.events, &r.groupsFired, &r.woken, &r.late, &r.quarantined,
+			pq.Array(&r.openIDs), pq.Array(&r.openRemaining))
+	}
+	if f.failpoint == "" {
+		if err := scan(c.inst.conn.QueryRowContext(c.ctx, flushSQL, f.batch)); err != nil {
+			return fmt.Errorf("fan-in flush: %w", err)
+		}
+		return nil
+	}
+	tx, err := c.inst.conn.BeginTx(c.ctx, nil)
+	if err != nil {
+		return fmt.Errorf("fan-in flush: begin: %w", err)
+	}
+	defer tx.Rollback() // a no-op after Commit
+	if err := scan(tx.QueryRowContext(c.ctx, flushSQL, f.batch)); err != nil {
+		return fmt.Errorf("fan-in flush: %w", err)
+	}
+	if r.events > 0 {
+		f.hit("fanin-flush-before-commit")
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("fan-in flush: commit: %w", err)
+	}
+	if r.events > 0 {
+		f.hit("fanin-flush-after-commit")
+	}
+	return nil
+}
+
+// faninStartup empties the inbox and fires groups that are already complete: after a crash,
+// evidence may be waiting that nobody will hint about.
+func (c *coordinator) faninStartup() error {
+	if err := c.faninFlush(); err != nil {
+		return err
+	}
+	c.fanin.hit("fanin-fire-ready")
+	var fired, woken int
+	if err := c.inst.conn.QueryRowContext(c.ctx, `SELECT groups_fired, parents_woken FROM fanin_fire_ready()`).
+		Scan(&fired, &woken); err != nil {
+		return fmt.Errorf("fan-in: fire ready groups: %w", err)
+	}
+	c.fanin.stats.Wakes += int64(woken)
+	if fired > 0 {
+		c.log.Info("fan-in: complete groups fired at start-up", "groups", fired, "parents_woken", woken)
+	}
+	// An early sweep pass after a start: drift is most likely after a crash.
+	c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(time.Second))
+	return nil
+}
+
+// faninSweep runs one page of the safety sweep.
+func (c *coordinator) faninSweep() {
+	f := c.fanin
+	d := c.cfg.Dispatch
+	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
+	defer cancel()
+	var repaired, examined, orphans, fired, woken int
+	var broken []int64
+	var next int64
+	run := func(q interface {
+		QueryRowContext(context.Context, string, ...any) *sql.Row
+	}) error {
+		return q.QueryRowContext(ctx, `
+			SELECT repaired, examined, orphans_woken, groups_fired, parents_woken, broken, next_after
+			  FROM fanin_sweep($1, $2, make_interval(secs => $3))`,
+			f.sweepAfter, d.SweepPage, d.SweepMinAge.Seconds()).
+			Scan(&repaired, &examined, &orphans, &fired, &woken, pq.Array(&broken), &next)
+	}
+	var err error
+	if f.failpoint == "fanin-sweep-before-commit" {
+		var tx *sql.Tx
+		if tx, err = c.inst.conn.BeginTx(ctx, nil); err == nil {
+			if err = run(tx); err == nil && repaired > 0 {
+				f.hit("fanin-sweep-before-commit")
+			}
+			if err == nil {
+				err = tx.Commit()
+			} else {
+				tx.Rollback()
+			}
+		}
+	} else {
+		err = run(c.inst.conn)
+	}
+	if err != nil {
+		c.log.Warn("fan-in sweep failed; retried at the next interval", "err", err)
+		c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(d.SweepInterval))
+		return
+	}
+	f.stats.SweepRepaired += int64(repaired)
+	f.stats.Wakes += int64(woken)
+	if repaired > 0 || orphans > 0 || len(broken) > 0 {
+		c.log.Warn("fan-in sweep repaired drift (completion evidence was lost or inconsistent)",
+			"repaired", repaired, "orphans_woken", orphans, "broken", broken, "examined", examined)
+	}
+	if woken > 0 {
+		c.claimWanted = true
+	}
+	f.sweepAfter = next
+	if next != 0 {
+		c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(sweepNextPage))
+	} else {
+		c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(d.SweepInterval))
+	}
+}
