@@ -281,3 +281,40 @@ func TestRetention(t *testing.T) {
 	}
 	d.stop()
 }
+
+// TestSeveralSystemsOneDatabase: independent systems in one database, each with its own
+// schema (search_path in the DSN) and its own dispatcher, run side by side: each moves only
+// its own messages, and neither fences nor locks the other.
+func TestSeveralSystemsOneDatabase(t *testing.T) {
+	s1, s2 := newTestSchema(t), newTestSchema(t)
+	s1.exec(t, runsDDL)
+	s2.exec(t, runsDDL)
+	conf := func(s *testSchema) string {
+		return baseConf(s, "") + stageConf(t, "a", "b", "") + stageConf(t, "b", "", "")
+	}
+	d1 := startDaemon(t, conf(s1), "pipeline")
+	d1.waitLog("dispatching", 30*time.Second)
+	d2 := startDaemon(t, conf(s2), "pipeline")
+	d2.waitLog("fenced_sessions=0", 30*time.Second) // the second start did not fence the first system's workers
+	enqueue(t, s1, "a", 300, `{}`)
+	enqueue(t, s2, "a", 200, `{}`)
+	waitFor(t, 60*time.Second, "both systems done", func() bool {
+		return countStatus(t, s1, "done") == 300 && countStatus(t, s2, "done") == 200
+	})
+	for _, s := range []*testSchema{s1, s2} {
+		if bad := s.count(t, `SELECT count(*) FROM (SELECT id, stage FROM runs GROUP BY 1, 2 HAVING count(*) <> 1) x`); bad != 0 {
+			t.Errorf("%s: %d (message, stage) pairs ran other than once", s.Name, bad)
+		}
+	}
+	if n := s1.count(t, `SELECT count(*) FROM runs`); n != 600 {
+		t.Errorf("system 1 ran %d stages, want 600 (its own messages only)", n)
+	}
+	// Restarting one system's dispatcher fences only its own workers.
+	d2.stop()
+	d2b := startDaemon(t, conf(s2), "pipeline")
+	d2b.waitLog("dispatching", 30*time.Second)
+	enqueue(t, s1, "a", 100, `{}`)
+	waitFor(t, 60*time.Second, "system 1 still moving", func() bool { return countStatus(t, s1, "done") == 400 })
+	d2b.stop()
+	d1.stop()
+}
