@@ -749,6 +749,7 @@ func (c *coordinator) onTimers() {
 		}
 		switch key.kind {
 		case timerHeartbeat:
+			c.log.Debug("heartbeat")
 			c.claimWanted, c.retryWanted = true, true
 			c.timers.schedule(key, now.Add(c.cfg.Dispatch.PollInterval))
 		case timerRetry:

@@ -31,6 +31,7 @@ type metricsSnapshot struct {
 	epoch    int64
 	stages   []stageSnapshot // sorted by name
 	global   globalCounters
+	fanin    faninCounters
 	workers  int
 	inflight int
 }
@@ -59,7 +60,7 @@ func (m *metricsServer) publish(s *metricsSnapshot) { m.snap.Store(s) }
 // snapshot builds the coordinator's snapshot; it runs on the coordinator goroutine.
 func (c *coordinator) snapshot() *metricsSnapshot {
 	s := &metricsSnapshot{at: time.Now(), started: c.started, epoch: c.inst.epoch,
-		global: c.stats.Global, workers: len(c.workers), inflight: c.inflightAll}
+		global: c.stats.Global, fanin: c.stats.Fanin, workers: len(c.workers), inflight: c.inflightAll}
 	now := time.Now()
 	names := map[string]bool{}
 	for name := range c.pools {
@@ -153,6 +154,14 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 		p.sample("pepsi_messages_done_total", "counter", "Messages reported as reaching done.", "", g.Done)
 		p.sample("pepsi_messages_failed_total", "counter", "Messages the dispatcher marked failed.", "", g.Failed)
 		p.sample("pepsi_retried_total", "counter", "Paused rows returned to pending.", "", g.Retried)
+		fi := s.fanin
+		p.sample("pepsi_fanin_events_total", "counter", "Fan-in inbox rows consumed.", "", fi.Events)
+		p.sample("pepsi_fanin_flushes_total", "counter", "Fan-in flush statements.", "", fi.Flushes)
+		p.sample("pepsi_fanin_flush_seconds_total", "counter", "Time spent in fan-in flushes.", "", fmt.Sprintf("%.3f", float64(fi.FlushMs)/1000))
+		p.sample("pepsi_fanin_wakes_total", "counter", "Parents woken by fan-in.", "", fi.Wakes)
+		p.sample("pepsi_fanin_late_events_total", "counter", "Events of groups already fired.", "", fi.LateEvents)
+		p.sample("pepsi_fanin_sweep_repaired_total", "counter", "Groups the sweep had to correct (alarm: should stay 0).", "", fi.SweepRepaired)
+		p.sample("pepsi_fanin_quarantined_total", "counter", "Groups whose evidence tripped a guard (alarm: should stay 0).", "", fi.Quarantined)
 		p.sample("pepsi_workers", "gauge", "Live worker processes.", "", s.workers)
 		p.sample("pepsi_in_flight", "gauge", "Messages in workers' queues.", "", s.inflight)
 		for _, st := range s.stages {
@@ -229,4 +238,12 @@ func (m *metricsServer) writeRows(ctx context.Context, p *promWriter) {
 		}
 	}
 	p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 1)
+	var open, quarantined int64
+	var oldest float64
+	if err := m.db.QueryRowContext(ctx, `SELECT open_groups, oldest_open_age_s, quarantined FROM fanin_status()`).
+		Scan(&open, &oldest, &quarantined); err == nil {
+		p.sample("pepsi_fanin_open_groups", "gauge", "Fan-out groups waiting for children.", "", open)
+		p.sample("pepsi_fanin_oldest_open_age_seconds", "gauge", "Age of the oldest open fan-out group.", "", fmt.Sprintf("%.3f", oldest))
+		p.sample("pepsi_fanin_quarantine_rows", "gauge", "Groups in fanin_quarantine now.", "", quarantined)
+	}
 }
