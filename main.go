@@ -113,6 +113,9 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
 	sigs := make(chan os.Signal, 2) // two: the shutdown and the one that hurries it
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	defer signal.Stop(sigs)
+	// poolcounterd restarts gracefully on SIGUSR1; its operators may send it out of habit.
+	// Go's default would end the process and drop every lock: ignore it instead.
+	signal.Ignore(syscall.SIGUSR1)
 
 	// Sockets first: a privileged port must be bound before the privileges go.
 	var pcLn net.Listener
@@ -145,7 +148,7 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
 	defer cancel() // runs before side.Wait: services stop, then we wait for them
 	var ls *lockServer
 	if pcLn != nil {
-		ls = newLockServer(log.With("component", "poolcounter"))
+		ls = newLockServer(log) // it names its own component
 		side.Add(1)
 		go func() {
 			defer side.Done()

@@ -3,6 +3,7 @@
 package main
 
 import (
+	"bufio"
 	"fmt"
 	"io"
 	"net"
@@ -319,4 +320,39 @@ func TestSeveralSystemsOneDatabase(t *testing.T) {
 	waitFor(t, 60*time.Second, "system 1 still moving", func() bool { return countStatus(t, s1, "done") == 400 })
 	d2b.stop()
 	d1.stop()
+}
+
+// TestLockServiceAlone: a configuration with only [poolcounter] runs the lock service by
+// itself (a drop-in for poolcounterd), with its counters on /metrics, and stops cleanly.
+func TestLockServiceAlone(t *testing.T) {
+	addr, maddr := freePort(t), freePort(t)
+	conf := fmt.Sprintf("[poolcounter]\nLISTEN = %s\n[pepsi-dispatch]\nUSER = nobody\nMETRICS_LISTEN = %s\n", addr, maddr)
+	d := startDaemon(t, conf, "")
+	d.waitLog("lock service listening", 30*time.Second)
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	r := bufio.NewReader(conn)
+	for _, step := range [][2]string{{"ACQ4ME k 1 1 1\n", "LOCKED\n"}, {"RELEASE\n", "RELEASED\n"}} {
+		io.WriteString(conn, step[0])
+		if got, err := r.ReadString('\n'); err != nil || got != step[1] {
+			t.Fatalf("%q: got %q, %v; want %q", step[0], got, err, step[1])
+		}
+	}
+	resp, err := http.Get("http://" + maddr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(body), "pepsi_poolcounter_") {
+		t.Errorf("no lock counters on /metrics:\n%s", body)
+	}
+	d.stop()
+	if strings.Contains(d.log.String(), "component=poolcounter component=poolcounter") {
+		t.Error("component attribute logged twice")
+	}
 }
