@@ -20,25 +20,27 @@ import (
 )
 
 // claimSQL takes up to cap pending rows per stage. $1 = stage names, $2 = capacities.
-// The UPDATE repeats status = 'pending' so that a row changed by someone else between the
-// scan and the update (an operator, say) is re-checked under READ COMMITTED, not overwritten.
+// The ids are picked first, as an array (an InitPlan), and the UPDATE finds them through the
+// primary key: joined instead, the planner cannot see that each LATERAL stops at its cap, and
+// it hashes every pending row (measured: 40 ms per claim with 100,000 pending, against
+// 1-2 ms). The UPDATE repeats status = 'pending' so that a row changed by someone else between
+// the pick and the update (an operator, say) is re-checked under READ COMMITTED, not
+// overwritten.
 // The final row of the result (workqueue_id NULL) carries the earliest paused retry_at and
 // whether the fan-in inbox holds unapplied events (for writers the coordinator cannot hear).
 const claimSQL = `
-WITH caps AS (
-    SELECT c.stage, c.cap FROM unnest($1::text[], $2::int[]) AS c(stage, cap)
-), picked AS (
-    SELECT p.workqueue_id
-      FROM caps CROSS JOIN LATERAL (
-            SELECT q.workqueue_id FROM workqueue q
-             WHERE q.status = 'pending' AND q.stage = caps.stage
-             ORDER BY q.workqueue_id
-             LIMIT caps.cap) p
-), claimed AS (
+WITH claimed AS (
     UPDATE workqueue q
        SET status = 'running', claim = (SELECT nextval('workqueue_claim_seq')), claimed_at = now()
-      FROM picked
-     WHERE q.workqueue_id = picked.workqueue_id AND q.status = 'pending'
+     WHERE q.workqueue_id = ANY (ARRAY(
+             SELECT p.workqueue_id
+               FROM unnest($1::text[], $2::int[]) AS c(stage, cap)
+              CROSS JOIN LATERAL (
+                    SELECT w.workqueue_id FROM workqueue w
+                     WHERE w.status = 'pending' AND w.stage = c.stage
+                     ORDER BY w.workqueue_id
+                     LIMIT c.cap) p))
+       AND q.status = 'pending'
     RETURNING q.workqueue_id, q.stage, q.claim, q.attempts, q.fanout_id
 )
 SELECT workqueue_id, stage, claim, attempts, fanout_id, NULL::timestamptz, NULL::boolean FROM claimed
