@@ -9,6 +9,9 @@
 //		})
 //	}
 //
+// A program that implements several stages gives RunStages a handler per stage; it serves the
+// stage it is started for and can run the others in the same pass (stage fusion, below).
+//
 // The rest of this comment is the worker protocol itself, complete enough to write a stage in
 // any language without this package.
 //
@@ -22,6 +25,7 @@
 //
 //	PEPSI_STAGE   the stage this process serves
 //	PEPSI_NEXT    the stages it may advance a message to, separated by spaces (empty: final stage)
+//	PEPSI_FUSE    the stages it may run in the same pass (see Stage fusion); empty: none
 //	PEPSI_DSN     the libpq connection string of [database] DSN
 //
 // The DSN carries an application_name starting with "pepsi-": keep it. The schema's requeue
@@ -35,9 +39,22 @@
 // order, the worker writes one line on standard output:
 //
 //	0                 success: the stage has committed the message's outcome
-//	0 TEXT            success, with text (reports of fused stages)
+//	0 WORDS           success, with report words
 //	N REASON          failure (N a non-zero decimal, this SDK uses 1): REASON, one line, is
 //	                  recorded by the dispatcher in state.dispatch_error
+//
+// A success line is "0" followed by zero or more words, each after a single space; a word is a
+// run of printable characters other than space. A reader ignores the words it does not know
+// (later versions may add some), and a writer puts each word at most once. The words defined:
+//
+//	done                        the message reached status 'done' in this pass
+//	                            (dispatch_stats.done counts it)
+//	fused=STAGE:MS[,STAGE:MS…]  the stages run in this pass after the worker's own (stage
+//	                            fusion), in the order they ran, each with the time it took
+//	                            in whole milliseconds (stage_stats.fused and busy_ms of STAGE)
+//
+// For example "0", "0 done", "0 fused=enrich:3" (enrich advanced it further) and
+// "0 done fused=enrich:3,deliver:1" (deliver finished it).
 //
 // The dispatcher writes up to QUEUE_LIMIT ids at once and may write more before the first
 // reply: a worker must keep reading while it works, or at least never stop answering in
@@ -74,16 +91,52 @@
 // non-zero and the dispatcher records it (attempts + 1, state.dispatch_error, paused with
 // back-off or failed) under its own claim guard. A stage must not touch the statistics tables.
 //
+// # Stage fusion
+//
+// A stage whose section says FUSE = yes may be run by the worker of a stage that advances to
+// it, in the same pass. The dispatcher lists in PEPSI_FUSE every FUSE = yes stage reachable
+// from the worker's stage through NEXT links to FUSE = yes stages, each with its own NEXT list:
+// entries separated by spaces, each STAGE=NEXT1,NEXT2, with an empty list for a final stage.
+// With parse (NEXT = enrich), enrich (FUSE = yes, NEXT = deliver) and deliver (FUSE = yes), the
+// workers of parse get
+//
+//	PEPSI_FUSE=enrich=deliver deliver=
+//
+// A worker that implements Y of its PEPSI_FUSE may, where it would advance a message to Y,
+// run Y's work instead, in the same transaction, and commit Y's outcome in place of the
+// advance: one UPDATE under the guard of the claim it was handed, which names the worker's
+// own stage (THIS), because the row is running there until the commit:
+//
+//	-- Y advances to Z, one of Y's NEXT stages in PEPSI_FUSE
+//	UPDATE workqueue SET stage = 'Z', status = 'pending', attempts = 0, state = $state
+//	 WHERE workqueue_id = $id AND status = 'running' AND stage = 'THIS';
+//	-- Y finishes, or defers (status = 'paused', retry_at = $until): the row names Y
+//	UPDATE workqueue SET stage = 'Y', status = 'done', attempts = 0, state = $state
+//	 WHERE workqueue_id = $id AND status = 'running' AND stage = 'THIS';
+//
+// Z may be fused in turn, so may its successors, each stage at most once per pass. The status
+// line reports the fused stages (fused=Y:MS,…, above), which the dispatcher credits to them:
+// stage_stats are still written by the dispatcher alone. If Y fails, its work is undone alone
+// (a savepoint) and the advance to Y is committed instead: the message then waits at Y for
+// Y's own workers, which fail it there if they must; a fused stage's failure never reaches the
+// status line. To the dispatcher the pass is one message of the worker's stage: MAX_RUNTIME
+// covers all of it, and a crash or a timeout during a fused stage fails the message at the
+// worker's stage. Fusion is optional: a worker may ignore PEPSI_FUSE and advance as usual.
+//
 // # What this package does
 //
-// Run parses the command line and environment (LoadConfig), and Serve runs the loop. Every id
-// already waiting on standard input (at least one, at most 64) forms one batch, run in one
+// Run parses the command line and environment (LoadConfig), and Serve runs the loop; RunStages
+// and ServeStages do the same for a program with a handler per stage, and fuse the stages of
+// PEPSI_FUSE they have a handler for. Every id already waiting on standard input (at least one,
+// at most 64, or 64/(N+1) for a program that can fuse N stages) forms one batch, run in one
 // transaction:
 //
 //	BEGIN
 //	SELECT workqueue_id, attempts, payload, state FROM workqueue
 //	 WHERE workqueue_id = ANY($ids) AND status = 'running' AND stage = $stage
-//	for each id, in order: the handler, its own statements inside a SAVEPOINT of its own
+//	for each id, in order: the handler, its own statements inside a SAVEPOINT of its own,
+//	  then the handlers of the fused stages its advance leads to, each in a lazy SAVEPOINT
+//	  of its own (nested in the message's savepoints opened before it)
 //	one UPDATE … FROM (VALUES …) RETURNING for the outcomes not written yet (below)
 //	COMMIT
 //	then all the batch's status lines, in one write
@@ -102,7 +155,10 @@
 // the handler returned, together with the batch's other kept outcomes, in one statement that
 // keeps each row's guard (RETURNING tells which rows it found; the others fail as claim lost).
 // A batch of N messages whose handlers do not use Message.Tx thus costs 4 round trips (BEGIN,
-// the load, the outcome statement, COMMIT) instead of N + 3. A handler that does use it adds
-// one round trip for the SAVEPOINT, its own statements, and its outcome's UPDATE, written at
-// once inside the savepoint.
+// the load, the outcome statement, COMMIT) instead of N + 3, fused stages included: their
+// outcome replaces the advance in that statement. A handler that does use it adds one round
+// trip for the SAVEPOINT, its own statements, and its outcome's UPDATE, written at once inside
+// the savepoint. A fused stage's savepoint request also moves the running row to that stage
+// (UPDATE … SET stage = Y, attempts = 0 under the claim's guard), so that its handler, and the
+// guards of its statements, see the row running at Y; the pass's outcome is then guarded by Y.
 package stage

@@ -1,9 +1,11 @@
-// stage.go: the stage SDK: configuration, the serving loop, messages and their outcomes, and the
-// wrapper around the worker's one database connection that takes savepoints lazily.
+// stage.go: the stage SDK: configuration, the serving loop, messages and their outcomes, and
+// stage fusion (the stages run in the pass of another's message). The wrapper around the
+// worker's one database connection, which takes savepoints lazily, is conn.go's.
 //
 // It owns the worker's side of the protocol of doc.go: the reading of ids, the batch transaction
 // and the status lines. It writes only the rows it was handed, and only under the guard
-// status = 'running' AND stage = <this stage>; failures are the dispatcher's to record.
+// status = 'running' AND stage = <the stage the row is running at in the transaction: the
+// claimed one, or a fused one it moved the row to>; failures are the dispatcher's to record.
 package stage
 
 import (
@@ -11,20 +13,19 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
-	"database/sql/driver"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"regexp"
 	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -72,7 +73,8 @@ var (
 
 // Handler processes one message. It chooses exactly one outcome (Advance, Done or Defer) and
 // returns nil; any other return fails the message and rolls back everything it wrote in m.Tx.
-// Handlers run one at a time, in the order of the ids.
+// Handlers run one at a time, in the order of the ids; a fused stage's handler runs right
+// after the handler whose advance led to it (see ServeStages).
 type Handler func(ctx context.Context, m *Message) error
 
 // Config is what a stage program is started with. Run reads it from the command line and the
@@ -97,6 +99,14 @@ type Config struct {
 	// stage programs that keep settings of their own in the shared file.
 	ConfigFile string
 
+	// Fuse lists the stages that may run in the pass of a message of Stage (stage fusion,
+	// PEPSI_FUSE): every FUSE = yes stage reachable from Stage through NEXT links to FUSE = yes
+	// stages, mapped to its own NEXT list (empty for a final stage). A program serving several
+	// stages (ServeStages) runs those it has a handler for in the same transaction as the
+	// advance that leads to them; the others, and every stage with Serve, are advanced to as
+	// usual. nil: no fusion. Names are [a-z0-9_-]+. Set it before Serve; it is not changed.
+	Fuse map[string][]string
+
 	// hooks lets this package's tests observe a session; nil in every other use.
 	hooks *testHooks
 }
@@ -118,12 +128,57 @@ func (c *Config) validate() error {
 			return fmt.Errorf("next stage name %q: want [a-z0-9_-]+", n)
 		}
 	}
+	for name, next := range c.Fuse {
+		if !stageName.MatchString(name) {
+			return fmt.Errorf("fused stage name %q: want [a-z0-9_-]+", name)
+		}
+		for _, n := range next {
+			if !stageName.MatchString(n) {
+				return fmt.Errorf("fused stage %s: next stage name %q: want [a-z0-9_-]+", name, n)
+			}
+		}
+	}
 	return nil
 }
 
-// LoadConfig parses `[-c FILE] worker` (os.Args[1:]) and reads PEPSI_STAGE, PEPSI_NEXT and
-// PEPSI_DSN from the environment. Programs that need the configuration before serving call it
-// and then Serve; the others just call Run.
+// parseFuse parses PEPSI_FUSE: entries separated by spaces, each STAGE=NEXT1,NEXT2 with the
+// stage's NEXT list separated by commas, possibly empty ("deliver="). Nothing at all is no
+// fusion (nil). A stage listed twice, an empty name or a name that is not [a-z0-9_-]+ is an
+// error: the dispatcher never writes one, so it is a stage started by something else.
+func parseFuse(text string) (map[string][]string, error) {
+	entries := strings.Fields(text)
+	if len(entries) == 0 {
+		return nil, nil
+	}
+	fuse := make(map[string][]string, len(entries))
+	for _, e := range entries {
+		name, list, ok := strings.Cut(e, "=")
+		if !ok {
+			return nil, fmt.Errorf("PEPSI_FUSE entry %q: want STAGE=NEXT1,NEXT2 (STAGE= for a final stage)", e)
+		}
+		if !stageName.MatchString(name) {
+			return nil, fmt.Errorf("PEPSI_FUSE entry %q: stage name %q: want [a-z0-9_-]+", e, name)
+		}
+		if _, dup := fuse[name]; dup {
+			return nil, fmt.Errorf("PEPSI_FUSE entry %q: stage %s is listed twice", e, name)
+		}
+		next := []string{}
+		if list != "" {
+			for _, n := range strings.Split(list, ",") {
+				if !stageName.MatchString(n) {
+					return nil, fmt.Errorf("PEPSI_FUSE entry %q: next stage name %q: want [a-z0-9_-]+", e, n)
+				}
+				next = append(next, n)
+			}
+		}
+		fuse[name] = next
+	}
+	return fuse, nil
+}
+
+// LoadConfig parses `[-c FILE] worker` (os.Args[1:]) and reads PEPSI_STAGE, PEPSI_NEXT,
+// PEPSI_FUSE and PEPSI_DSN from the environment. Programs that need the configuration before
+// serving call it and then Serve (or ServeStages); the others just call Run (or RunStages).
 func LoadConfig(args []string) (Config, error) {
 	return loadConfig(args, os.Getenv)
 }
@@ -147,6 +202,11 @@ func loadConfig(args []string, getenv func(string) string) (Config, error) {
 	if cfg.DSN == "" {
 		return Config{}, errors.New("read environment: PEPSI_DSN is not set (a stage is started by pepsi-dispatch)")
 	}
+	fuse, err := parseFuse(getenv("PEPSI_FUSE"))
+	if err != nil {
+		return Config{}, fmt.Errorf("read environment: %w", err)
+	}
+	cfg.Fuse = fuse
 	if err := cfg.validate(); err != nil {
 		return Config{}, fmt.Errorf("read environment: %w", err)
 	}
@@ -154,9 +214,10 @@ func loadConfig(args []string, getenv func(string) string) (Config, error) {
 }
 
 // Run is a stage program's main: it parses `[-c FILE] worker` from os.Args, reads PEPSI_STAGE,
-// PEPSI_NEXT (space-separated), PEPSI_DSN from the environment, connects once and serves
-// os.Stdin/os.Stdout until EOF; it exits the process (0 after EOF, non-zero on a fatal error
-// such as a lost database connection, with the reason on stderr).
+// PEPSI_NEXT (space-separated), PEPSI_FUSE and PEPSI_DSN from the environment, connects once
+// and serves os.Stdin/os.Stdout until EOF with h as the handler of PEPSI_STAGE; it exits the
+// process (0 after EOF, non-zero on a fatal error such as a lost database connection, with the
+// reason on stderr). A program with one handler runs no fused stage: see RunStages.
 //
 // Exit statuses: 0 after EOF on stdin, 2 for a usage or environment error, 1 for any other
 // fatal error. Signals keep their default action: SIGTERM or SIGINT end the process at once,
@@ -164,18 +225,35 @@ func loadConfig(args []string, getenv func(string) string) (Config, error) {
 // the connection drops) or has committed under the guard (the dispatcher's recovery writes
 // are guarded too and leave a moved row alone).
 func Run(h Handler) {
-	os.Exit(run(context.Background(), os.Args[1:], os.Getenv, os.Stdin, os.Stdout, os.Stderr, h))
+	os.Exit(run(context.Background(), os.Args[1:], os.Getenv, os.Stdin, os.Stdout, os.Stderr, nil, h))
 }
 
-// run is Run with its dependencies passed in; it returns the exit status.
+// RunStages is Run for a program that implements several stages: handlers maps stage names
+// to their handlers. The process serves PEPSI_STAGE, whose handler is required (without one
+// it exits 2, naming the stages it has), and runs the others that PEPSI_FUSE lists in the
+// same pass, as ServeStages describes. The same program can be the PROGRAM of all those
+// stages: the dispatcher starts it with the PEPSI_STAGE of each pool.
+func RunStages(handlers map[string]Handler) {
+	os.Exit(run(context.Background(), os.Args[1:], os.Getenv, os.Stdin, os.Stdout, os.Stderr, handlers, nil))
+}
+
+// run is Run (h set) and RunStages (handlers set) with their dependencies passed in; it
+// returns the exit status.
 func run(ctx context.Context, args []string, getenv func(string) string,
-	stdin io.Reader, stdout, stderr io.Writer, h Handler) int {
+	stdin io.Reader, stdout, stderr io.Writer, handlers map[string]Handler, h Handler) int {
 	cfg, err := loadConfig(args, getenv)
 	if err != nil {
 		fmt.Fprintf(stderr, "stage: %v\n", err)
 		return 2
 	}
-	if err := Serve(ctx, cfg, stdin, stdout, h); err != nil {
+	if h != nil {
+		handlers = map[string]Handler{cfg.Stage: h}
+	}
+	if err := checkHandlers(cfg, handlers); err != nil {
+		fmt.Fprintf(stderr, "stage %s: %v\n", cfg.Stage, err)
+		return 2
+	}
+	if err := ServeStages(ctx, cfg, stdin, stdout, handlers); err != nil {
 		fmt.Fprintf(stderr, "stage %s: %v\n", cfg.Stage, err)
 		return 1
 	}
@@ -190,22 +268,65 @@ func run(ctx context.Context, args []string, getenv func(string) string,
 // blocked is not interrupted: close in to stop it.
 //
 // Every id already available on in (up to 64) is run as one batch in one transaction, whose
-// status lines are written together after the commit; see doc.go.
+// status lines are written together after the commit; see doc.go. Serve is ServeStages with
+// h as the only handler, that of cfg.Stage: it fuses nothing.
 func Serve(ctx context.Context, cfg Config, in io.Reader, out io.Writer, h Handler) error {
+	return ServeStages(ctx, cfg, in, out, map[string]Handler{cfg.Stage: h})
+}
+
+// ServeStages is Serve for a program that implements several stages. handlers[cfg.Stage] is
+// required and serves the messages on in; the handlers of the stages in cfg.Fuse are fused.
+// Handlers of other stages are ignored: the program can be the PROGRAM of several stages and
+// serve the one it is started for.
+//
+// Stage fusion. When a handler chooses Advance(Y), Y is in cfg.Fuse, handlers has Y and Y has
+// not run in this pass yet, the SDK does not write the advance: it runs Y's handler at once,
+// for the same message, in the same transaction, with a Message whose Stage is Y, Attempts 0,
+// Payload the same, State as the advance would have written it, Tx the same, and whose Advance
+// accepts Y's NEXT list (cfg.Fuse[Y]). Y's outcome becomes the message's: its Advance(Z) sets
+// stage = Z, pending (or fuses Z in turn); its Done and Defer set stage = Y, so that the row
+// says which stage finished or deferred it; a Split by Y makes the row wait at Y's continuation
+// and ends the pass, as every outcome but a fused advance does. The row is claimed at cfg.Stage
+// and still running there until the pass commits; every outcome of the pass keeps the guard of
+// that claim (status = 'running' and the claimed stage). Before a fused stage's first
+// statement on Tx, in the same request as its savepoint, the SDK moves the running row to that
+// stage (stage = Y, attempts = 0, still running), so that inside its handler the row is
+// running at m.Stage as for any other message, and guards written against m.Stage hold.
+//
+// If Y fails (an error, a panic, no outcome or two, a failed write of its outcome), what Y
+// wrote is rolled back (to a savepoint taken before its first statement) and the advance to Y
+// is written instead, as if Y were not fused: the stage that advanced succeeded, Y's pool
+// claims the message as usual and fails it there if it must. The failure is logged on stderr,
+// and is not on the status line. A status line's success report lists the fused stages that
+// succeeded, with the running time of their handlers: `0 done fused=enrich:3,deliver:1`.
+// To the dispatcher the whole pass is the claimed stage's: MAX_RUNTIME covers all of it, and
+// a crash or a timeout during a fused stage fails the message at the claimed stage.
+//
+// Costs. A pass whose handlers leave Tx alone costs no request of its own: its one outcome
+// joins the batch's outcome statement. A fused stage that uses Tx adds one request (its
+// savepoint and the move of the row) besides its own statements, and its outcome is written
+// at once. Each stage that writes takes a subtransaction; to keep a batch within the 64 that
+// PostgreSQL caches per backend, a program that can fuse N stages runs at most 64/(N+1)
+// messages per batch.
+func ServeStages(ctx context.Context, cfg Config, in io.Reader, out io.Writer, handlers map[string]Handler) error {
 	if err := cfg.validate(); err != nil {
 		return fmt.Errorf("check configuration: %w", err)
 	}
-	srv, err := connect(ctx, cfg, h)
+	if err := checkHandlers(cfg, handlers); err != nil {
+		return fmt.Errorf("check handlers: %w", err)
+	}
+	srv, err := connect(ctx, cfg, handlers)
 	if err != nil {
 		return err
 	}
 	defer srv.close()
+	batch := max(1, maxBatch/(1+len(srv.views)))
 	r := bufio.NewReaderSize(in, readBufferSize)
 	for {
 		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("serve: %w", err)
 		}
-		lines, eof, err := readBatch(r, maxBatch)
+		lines, eof, err := readBatch(r, batch)
 		if err != nil {
 			return fmt.Errorf("read message ids: %w", err)
 		}
@@ -223,6 +344,23 @@ func Serve(ctx context.Context, cfg Config, in io.Reader, out io.Writer, h Handl
 			return nil
 		}
 	}
+}
+
+// checkHandlers checks that handlers serve cfg.Stage and name only valid stages.
+func checkHandlers(cfg Config, handlers map[string]Handler) error {
+	for name, h := range handlers {
+		if !stageName.MatchString(name) {
+			return fmt.Errorf("handler for stage %q: want a name [a-z0-9_-]+", name)
+		}
+		if h == nil {
+			return fmt.Errorf("handler for stage %s is nil", name)
+		}
+	}
+	if handlers[cfg.Stage] == nil {
+		names := slices.Sorted(maps.Keys(handlers))
+		return fmt.Errorf("this program has no handler for stage %s (it implements %q)", cfg.Stage, names)
+	}
+	return nil
 }
 
 // readBatch reads one line, waiting for it, and then every further complete line that is
@@ -265,20 +403,28 @@ func readLine(r *bufio.Reader) (string, error) {
 
 // server is one Serve: the connection and what the batches share. Only Serve's goroutine uses
 // it, except the session, which handler goroutines may reach through Message.Tx.
+//
+// A fused stage's messages see a view of it: a copy whose cfg has that stage's Stage and Next
+// (its Fuse entry), whose h is its handler and whose log names it; the other fields are the
+// same pointers. Batches run on the server itself, whose cfg.Stage is the claim's stage.
 type server struct {
-	cfg  Config
-	h    Handler
-	db   *sql.DB
-	sess *session
-	load *sql.Stmt // prepared once, so a batch's load is one round trip
-	log  *slog.Logger
+	cfg   Config
+	h     Handler
+	views map[string]*server // the fused stages this program implements; shared by the views
+	db    *sql.DB
+	sess  *session
+	load  *sql.Stmt // prepared once, so a batch's load is one round trip
+	log   *slog.Logger
+
+	fuseFailures int // a view's fused runs that failed, for rate-limited logging
 }
 
 const loadQuery = `SELECT workqueue_id, attempts, payload, state FROM workqueue
 WHERE workqueue_id = ANY($1::bigint[]) AND status = 'running' AND stage = $2`
 
-// connect opens the worker's one connection and prepares the load statement.
-func connect(ctx context.Context, cfg Config, h Handler) (*server, error) {
+// connect opens the worker's one connection, prepares the load statement and makes the views
+// of the fused stages that handlers implement.
+func connect(ctx context.Context, cfg Config, handlers map[string]Handler) (*server, error) {
 	pcfg, err := pq.NewConfig(cfg.DSN)
 	if err != nil {
 		return nil, fmt.Errorf("parse DSN: %w", err)
@@ -298,7 +444,8 @@ func connect(ctx context.Context, cfg Config, h Handler) (*server, error) {
 	db.SetMaxIdleConns(1)
 	db.SetConnMaxLifetime(0)
 	db.SetConnMaxIdleTime(0)
-	srv := &server{cfg: cfg, h: h, db: db, sess: sess, log: slog.Default().With("stage", cfg.Stage)}
+	srv := &server{cfg: cfg, h: handlers[cfg.Stage], views: map[string]*server{}, db: db, sess: sess,
+		log: slog.Default().With("stage", cfg.Stage)}
 	if err := db.PingContext(ctx); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("connect to the database: %w", err)
@@ -306,6 +453,16 @@ func connect(ctx context.Context, cfg Config, h Handler) (*server, error) {
 	if srv.load, err = db.PrepareContext(ctx, loadQuery); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("prepare load statement: %w", err)
+	}
+	for name, next := range cfg.Fuse {
+		h := handlers[name]
+		if h == nil || name == cfg.Stage {
+			continue // not implemented here, or the claim's own stage (a cycle): advanced to as usual
+		}
+		v := *srv
+		v.cfg.Stage, v.cfg.Next, v.h = name, next, h
+		v.log = slog.Default().With("stage", name, "fused_into", cfg.Stage)
+		srv.views[name] = &v
 	}
 	if cfg.hooks != nil && cfg.hooks.session != nil {
 		cfg.hooks.session(sess)
@@ -324,12 +481,44 @@ func (s *server) close() {
 type reply struct {
 	id     int64
 	ok     bool
-	words  string // after "0 " on success: "done" when the message finished (dispatch_stats.done)
-	reason string // why it failed, when !ok
-	done   bool   // decided (bad id, claim lost) before the handler would run
+	final  *Message   // on success: the message whose outcome stands, the last stage of the pass
+	fused  []*Message // on success: the fused stages that succeeded, in the order they ran
+	reason string     // why it failed, when !ok
+	done   bool       // decided (bad id, claim lost) before the handler would run
 }
 
 func (r *reply) fail(reason string) { r.ok, r.reason, r.done = false, reason, true }
+
+// fallBackTo makes m, an earlier stage of the pass, the one whose outcome stands: the fused
+// stages after it are no longer reported.
+func (r *reply) fallBackTo(m *Message) {
+	r.final = m
+	for i, f := range r.fused {
+		if f == m {
+			r.fused = r.fused[:i+1]
+			return
+		}
+	}
+	r.fused = nil
+}
+
+// words returns what follows "0 " on a success line: "done" when the message finished
+// (dispatch_stats.done), and fused=STAGE:MS,… for the fused stages (stage_stats.fused and
+// busy_ms of each), separated by single spaces; "" for neither.
+func (r *reply) words() string {
+	var words []string
+	if r.final != nil && r.final.chosen == "done" {
+		words = append(words, "done")
+	}
+	if len(r.fused) > 0 {
+		runs := make([]string, len(r.fused))
+		for i, f := range r.fused {
+			runs[i] = f.Stage + ":" + strconv.FormatInt(f.link.took.Milliseconds(), 10)
+		}
+		words = append(words, "fused="+strings.Join(runs, ","))
+	}
+	return strings.Join(words, " ")
+}
 
 // runBatch runs the messages of lines in one transaction and returns their status lines, or a
 // fatal error (the connection is gone; nothing is to be written then: the dispatcher treats
@@ -346,12 +535,17 @@ func (r *reply) fail(reason string) { r.ok, r.reason, r.done = false, reason, tr
 //     nil it joins the batch's one outcome statement (see writeOutcomes). Such a message has
 //     nothing of its own to undo, so it needs no savepoint at all. If the handler sends a
 //     statement after choosing, its outcome is written in its savepoint when it returns.
+//   - A fused stage (ServeStages) is one more link of the message's pass, with a lazy
+//     savepoint of its own (nested in its predecessor's when that one is open), opened
+//     together with the move of the row to its stage. An advance that leads to it is always
+//     kept, so that it can be dropped when the fused stage succeeds and written when it fails.
 //
 // Requests per batch of N messages whose handlers leave m.Tx alone: BEGIN, the load, the
-// outcome statement, COMMIT — 4, whatever N is. A handler that uses m.Tx adds one SAVEPOINT,
-// its own statements and its outcome UPDATE; a failed message that wrote adds a ROLLBACK TO.
-// Writing every outcome at once in its own savepoint (the simple way) would cost N + 3
-// requests, N statements to parse and plan, and N subtransaction XIDs per batch.
+// outcome statement, COMMIT — 4, whatever N is and whatever they fuse. A handler that uses
+// m.Tx adds one SAVEPOINT, its own statements and its outcome UPDATE; a failed message that
+// wrote adds a ROLLBACK TO. Writing every outcome at once in its own savepoint (the simple
+// way) would cost N + 3 requests, N statements to parse and plan, and N subtransaction XIDs per
+// batch.
 func (s *server) runBatch(ctx context.Context, lines []string) ([]byte, error) {
 	replies := make([]reply, len(lines))
 	ids := make([]int64, 0, len(lines))
@@ -419,21 +613,17 @@ func (s *server) runTx(ctx context.Context, replies []reply, ids []int64) (err e
 			continue
 		}
 		delete(rows, r.id) // the same id twice in a batch finds its claim taken the second time
-		m, reason, err := s.runMessage(ctx, tx, i, row)
+		final, fused, reason, err := s.runMessage(ctx, tx, i, row)
 		if err != nil {
 			return err
 		}
-		if reason == "" && m.chosen == "done" {
-			r.words = "done"
-		}
-		switch {
-		case reason != "":
+		if reason != "" {
 			r.fail(reason)
-		case m.kept != nil:
-			kept = append(kept, keptOutcome{index: i, m: m})
-			r.ok = true // unless the outcome statement finds the claim gone
-		default:
-			r.ok = true
+			continue
+		}
+		r.ok, r.final, r.fused = true, final, fused // unless the outcome statement finds the claim gone
+		if final.kept != nil {
+			kept = append(kept, keptOutcome{index: i, m: final})
 		}
 	}
 	if len(kept) > 0 {
@@ -476,12 +666,14 @@ func (s *server) loadRows(ctx context.Context, tx *sql.Tx, ids []int64) (map[int
 	return rows, nil
 }
 
-// runMessage runs the handler for one loaded row inside its own (lazy) savepoint. It returns
-// the message and the reason it failed ("" for success; the message's outcome may still be
-// kept for the outcome statement), or an error that ends the batch.
+// runMessage runs one loaded row's pass: the handler of the claimed stage, inside its own
+// (lazy) savepoint, and the fused stages its advance leads to. It returns the message whose
+// outcome stands (written, or kept for the outcome statement), the fused stages that
+// succeeded, and the reason the message failed ("" for success), or an error that ends the
+// batch.
 func (s *server) runMessage(ctx context.Context, tx *sql.Tx, index int, row loadedRow) (
-	m *Message, reason string, err error) {
-	m = &Message{
+	final *Message, fused []*Message, reason string, err error) {
+	m := &Message{
 		ID:       row.id,
 		Stage:    s.cfg.Stage,
 		Attempts: row.attempts,
@@ -489,6 +681,7 @@ func (s *server) runMessage(ctx context.Context, tx *sql.Tx, index int, row load
 		ctx:      ctx,
 		srv:      s,
 		live:     true,
+		link:     link{index: index, chain: []string{s.cfg.Stage}, at: s.cfg.Stage},
 	}
 	if row.payload != nil {
 		m.Payload = json.RawMessage(row.payload)
@@ -496,18 +689,30 @@ func (s *server) runMessage(ctx context.Context, tx *sql.Tx, index int, row load
 	if m.State, err = decodeState(row.state); err != nil {
 		// A state that is not an object is nothing the handler could work with; its outcome
 		// would overwrite it. Fail the message and let an operator look.
-		return m, fmt.Sprintf("message %d: %v", row.id, err), nil
+		return m, nil, fmt.Sprintf("message %d: %v", row.id, err), nil
 	}
-	s.sess.startMessage(index)
-	herr := s.callHandler(ctx, m)
-	s.sess.endMessage()
+	s.sess.setLink(spLink{name: "pepsi_msg_" + strconv.Itoa(index)})
+	return s.runLink(ctx, tx, m)
+}
+
+// runLink runs m's handler, in the savepoint context the caller has set (the session's link),
+// and settles its outcome: a fused stage runs next (runFused), or the outcome is written at
+// once when the pass has written anything, or it stays kept for the outcome statement. A
+// failure rolls back m's savepoint. It returns what runMessage does, for the pass from m on.
+func (s *server) runLink(ctx context.Context, tx *sql.Tx, m *Message) (
+	final *Message, fused []*Message, reason string, err error) {
+	s.sess.handlerRunning(true)
+	start := time.Now()
+	herr := m.srv.callHandler(ctx, m)
+	m.link.took = time.Since(start)
+	s.sess.handlerRunning(false)
 	m.live = false
 
 	if s.sess.txOwnedViolation() {
-		return m, "", fmt.Errorf("message %d: %w", row.id, errTxOwned)
+		return m, nil, "", fmt.Errorf("message %d: %w", m.ID, errTxOwned)
 	}
 	if err := s.sess.brokenErr(); err != nil {
-		return m, "", err
+		return m, nil, "", err
 	}
 	switch {
 	case herr != nil:
@@ -518,22 +723,118 @@ func (s *server) runMessage(ctx context.Context, tx *sql.Tx, index int, row load
 		reason = fmt.Sprintf("handler chose more than one outcome (%s, then %s)", m.chosen, m.second)
 	case m.chosen == "":
 		reason = "handler returned without choosing an outcome (Advance, Done or Defer); the row would stay running"
-	case m.kept != nil && s.sess.isOpen():
-		// The handler wrote after choosing: its outcome goes in its savepoint, with its writes.
+	}
+	if reason == "" && m.kept != nil && m.fusable(m.kept.change) {
+		f, fz, err := s.runFused(ctx, tx, m)
+		if err != nil {
+			return m, nil, "", err
+		}
+		if f != nil {
+			if m.link.prev != nil {
+				fz = append([]*Message{m}, fz...)
+			}
+			return f, fz, "", nil
+		}
+		// The fused stage failed and is undone: the advance to it stands, settled below.
+	}
+	if reason == "" && m.kept != nil && (m.link.nested || s.sess.isOpen()) {
+		// The pass has written: the outcome goes with the writes, in this stage's savepoint
+		// (which the UPDATE's request opens if need be, moving a fused stage's row first).
 		k := m.kept
 		m.kept = nil
-		if err := m.update(ctx, tx, k.change, k.state); err != nil {
+		if err := m.update(ctx, tx, k.change, k.state, m.Stage); err != nil {
 			reason = err.Error()
 		}
 	}
+	if reason != "" {
+		m.kept = nil
+		if err := s.sess.rollbackMessage(ctx, tx); err != nil {
+			return m, nil, "", err
+		}
+		return m, nil, reason, nil
+	}
+	if m.link.prev != nil {
+		fused = []*Message{m}
+	}
+	return m, fused, "", nil
+}
+
+// runFused runs the stage that m's kept advance leads to, in the same pass (stage fusion, see
+// ServeStages). It returns the message whose outcome stands and the fused stages that
+// succeeded, from that stage on; nil when the stage failed: its writes are rolled back, the
+// session is back in m's savepoint context, and m's advance is the outcome. An error ends the
+// batch.
+func (s *server) runFused(ctx context.Context, tx *sql.Tx, m *Message) (final *Message, fused []*Message, err error) {
+	next := m.kept.change.stage
+	view := m.srv.views[next]
+	state, err := decodeState(m.kept.state)
+	if err != nil { // cannot happen: json.Marshal wrote it; not worth failing the advance for
+		view.noteFailure(m.ID, err.Error())
+		return nil, nil, nil
+	}
+	var payload json.RawMessage
+	if m.Payload != nil {
+		payload = bytes.Clone(m.Payload) // a handler may scribble on its copy
+	}
+	saved := s.sess.currentLink()
+	at := m.link.at // the stage the row is at in the transaction: moved by every link that wrote
+	if saved.open {
+		at = m.Stage
+	}
+	y := &Message{
+		ID:      m.ID,
+		Stage:   next,
+		Payload: payload,
+		State:   state,
+		Tx:      tx,
+		ctx:     ctx,
+		srv:     view,
+		live:    true,
+		link: link{
+			index:  m.link.index,
+			prev:   m,
+			chain:  append(slices.Clip(m.link.chain), next),
+			at:     at,
+			nested: m.link.nested || saved.open,
+		},
+	}
+	s.sess.setLink(spLink{
+		name:   "pepsi_msg_" + strconv.Itoa(m.link.index) + "_" + strconv.Itoa(len(y.link.chain)-1),
+		nested: y.link.nested,
+		move: "UPDATE workqueue SET stage = " + pq.QuoteLiteral(next) + ", attempts = 0" +
+			" WHERE workqueue_id = " + strconv.FormatInt(m.ID, 10) +
+			" AND status = 'running' AND stage = " + pq.QuoteLiteral(at),
+	})
+	final, fused, reason, err := s.runLink(ctx, tx, y)
+	if err != nil {
+		return nil, nil, err
+	}
 	if reason == "" {
-		return m, "", nil
+		return final, fused, nil
 	}
-	m.kept = nil
-	if err := s.sess.rollbackMessage(ctx, tx); err != nil {
-		return m, "", err
+	view.noteFailure(m.ID, reason)
+	s.sess.setLink(saved)
+	return nil, nil, nil
+}
+
+// noteFailure logs that this view's fused stage failed for message id, at a limited rate:
+// the first three of a run, then one in each power of ten. The dispatcher never sees such a
+// failure; it sees the message again at this stage, where a real failure is counted.
+func (s *server) noteFailure(id int64, reason string) {
+	s.fuseFailures++
+	n := s.fuseFailures
+	if n > 3 && !isPowerOfTen(n) {
+		return
 	}
-	return m, reason, nil
+	s.log.Warn("fused stage failed; the message is advanced to it instead", "message", id,
+		"reason", oneLine(reason), "fused_failures", n)
+}
+
+func isPowerOfTen(n int) bool {
+	for n >= 10 && n%10 == 0 {
+		n /= 10
+	}
+	return n == 1
 }
 
 // keptOutcome is a message whose outcome waits for the batch's outcome statement.
@@ -546,7 +847,11 @@ type keptOutcome struct {
 // under the same guard as a single outcome, and fails the messages whose row it did not find.
 // The statement runs in a savepoint of its own: should it fail (say one state that jsonb
 // rejects), it is rolled back and the outcomes are written one by one, each in its own
-// savepoint, so that one bad message does not fail the batch.
+// savepoint, so that one bad message does not fail the batch. A kept outcome is that of the
+// last stage of its pass; every row is still running at the claimed stage (no stage of a pass
+// with a kept outcome has written), which is the guard. One by one, an outcome of a fused stage
+// that is refused for another reason than a lost claim falls back to the advance that led to
+// that stage, as a failure of the fused stage's handler does.
 func (s *server) writeOutcomes(ctx context.Context, tx *sql.Tx, kept []keptOutcome, replies []reply) error {
 	var b strings.Builder
 	// An advance resets attempts: MAX_ATTEMPTS counts failures at one stage, not across them.
@@ -566,7 +871,7 @@ func (s *server) writeOutcomes(ctx context.Context, tx *sql.Tx, kept []keptOutco
 		" AND w.status = 'running' AND w.stage = " + pq.QuoteLiteral(s.cfg.Stage) +
 		" RETURNING w.workqueue_id")
 
-	s.sess.startSavepoint("pepsi_outcomes")
+	s.sess.setLink(spLink{name: "pepsi_outcomes"})
 	written, err := queryIDs(ctx, tx, s.sess.savepointPrefix()+b.String())
 	if err != nil {
 		if s.sess.lost() {
@@ -577,12 +882,8 @@ func (s *server) writeOutcomes(ctx context.Context, tx *sql.Tx, kept []keptOutco
 		}
 		s.log.Warn("outcome statement failed; writing the outcomes one by one", "outcomes", len(kept), "error", err)
 		for _, k := range kept {
-			s.sess.startSavepoint("pepsi_outcome_" + strconv.Itoa(k.index))
-			if err := k.m.update(ctx, tx, k.m.kept.change, k.m.kept.state); err != nil {
-				if rerr := s.sess.rollbackMessage(ctx, tx); rerr != nil {
-					return rerr
-				}
-				replies[k.index].fail(err.Error())
+			if err := s.writeOutcome(ctx, tx, k, &replies[k.index]); err != nil {
+				return err
 			}
 		}
 		return nil
@@ -594,6 +895,27 @@ func (s *server) writeOutcomes(ctx context.Context, tx *sql.Tx, kept []keptOutco
 		}
 	}
 	return nil
+}
+
+// writeOutcome writes one kept outcome in a savepoint of its own, falling back along the
+// pass to the advance that led to a fused stage whose outcome is refused.
+func (s *server) writeOutcome(ctx context.Context, tx *sql.Tx, k keptOutcome, r *reply) error {
+	for m := k.m; ; m = m.link.prev {
+		s.sess.setLink(spLink{name: "pepsi_outcome_" + strconv.Itoa(k.index)})
+		err := m.update(ctx, tx, m.kept.change, m.kept.state, s.cfg.Stage)
+		if err == nil {
+			r.fallBackTo(m)
+			return nil
+		}
+		if rerr := s.sess.rollbackMessage(ctx, tx); rerr != nil {
+			return rerr
+		}
+		if m.link.prev == nil || errors.Is(err, ErrClaimLost) {
+			r.fail(err.Error())
+			return nil
+		}
+		m.srv.noteFailure(m.ID, err.Error())
+	}
 }
 
 // queryIDs runs a query of one bigint column and returns the set of its values.
@@ -656,8 +978,8 @@ func formatReplies(replies []reply) []byte {
 	for _, r := range replies {
 		if r.ok {
 			b.WriteString("0")
-			if r.words != "" {
-				b.WriteString(" " + r.words)
+			if w := r.words(); w != "" {
+				b.WriteString(" " + w)
 			}
 			b.WriteByte('\n')
 			continue
@@ -698,10 +1020,12 @@ type Message struct {
 	// ID is the row's workqueue_id.
 	ID int64
 
-	// Stage is the stage running it (Config.Stage).
+	// Stage is the stage running it: Config.Stage, or a fused stage run in the same pass
+	// (ServeStages), whose handler sees the row running at this stage.
 	Stage string
 
-	// Attempts counts the failed attempts so far (the dispatcher increments it on failure).
+	// Attempts counts the failed attempts so far (the dispatcher increments it on failure);
+	// 0 at a fused stage, which the message has just reached.
 	Attempts int
 
 	// Payload is the row's payload, set at enqueue and never changed by pepsi; nil for NULL.
@@ -709,7 +1033,8 @@ type Message struct {
 
 	// State is the row's state jsonb, decoded (numbers as json.Number). The handler changes it
 	// freely; the outcome writes it back, in the same UPDATE. Changes made after the outcome
-	// was chosen are not written. The dispatcher owns the key "dispatch_error".
+	// was chosen are not written. The dispatcher owns the key "dispatch_error". At a fused
+	// stage it is the state that the advance leading there chose.
 	State map[string]any
 
 	// Tx is the transaction the outcome commits in. The handler may use it for its own writes:
@@ -729,6 +1054,25 @@ type Message struct {
 	second   string      // a further outcome attempted
 	writeErr error       // the chosen outcome's write failed
 	kept     *keptChange // an outcome waiting for the batch's outcome statement
+	link     link        // the message's place in its pass (stage fusion)
+}
+
+// link is a Message's place in the pass of its row: the claimed stage first, then the stages
+// fused after it, each run by runLink. Set before the handler runs, except took.
+type link struct {
+	index  int           // the message's index in the batch, for savepoint names
+	prev   *Message      // the stage whose advance led here; nil for the claimed stage
+	chain  []string      // the stages of the pass so far, this one last: none is fused twice
+	at     string        // the stage the row is at in the transaction when this stage starts
+	nested bool          // an earlier stage of the pass has its savepoint open: this one's nests in it, and its outcome is written at once
+	took   time.Duration // the handler's running time
+}
+
+// fusable reports whether the outcome c, chosen by m's handler, is an advance to a stage that
+// runs in the same pass: one this program implements (a view), not already in the pass.
+func (m *Message) fusable(c change) bool {
+	return c.status == "pending" && c.stage != "" && m.srv.views[c.stage] != nil &&
+		!slices.Contains(m.link.chain, c.stage)
 }
 
 // change is what Advance, Done or Defer set besides the state.
@@ -752,7 +1096,9 @@ type keptChange struct {
 // It returns an error for a stage not in NEXT, a second outcome, or a failed write. When the
 // handler has not used m.Tx yet, the write waits for the end of the batch (see the package
 // documentation), and a claim found lost then fails the message after the handler returned;
-// either way the state written is the state as it was when Advance was called.
+// either way the state written is the state as it was when Advance was called. An advance to
+// a stage that this program fuses (ServeStages) always waits: that stage's handler runs after
+// this one returns, and the advance is written only if it fails.
 func (m *Message) Advance(next string) error {
 	if !slices.Contains(m.srv.cfg.Next, next) {
 		return fmt.Errorf("advance message %d to %q: %w (NEXT of %s: %q)",
@@ -762,15 +1108,15 @@ func (m *Message) Advance(next string) error {
 }
 
 // Done finishes the message: status = 'done', and the state, in one UPDATE guarded by the
-// claim. Errors and timing as for Advance.
+// claim (at a fused stage, stage = that stage too). Errors and timing as for Advance.
 func (m *Message) Done() error {
 	return m.choose(change{what: "done", status: "done"})
 }
 
 // Defer pauses the message until the given time: status = 'paused', retry_at = until, and the
 // state, in one UPDATE guarded by the claim. The dispatcher puts it back to pending at this
-// stage when it is due. A deferral is not a failure: attempts is unchanged. Errors and timing
-// as for Advance.
+// stage when it is due (at a fused stage, stage = that stage too: it runs there again). A
+// deferral is not a failure: attempts is unchanged. Errors and timing as for Advance.
 func (m *Message) Defer(until time.Time) error {
 	return m.choose(change{
 		what:    "defer until " + until.Format(time.RFC3339),
@@ -781,18 +1127,22 @@ func (m *Message) Defer(until time.Time) error {
 
 // choose is Advance, Done and Defer: the outcome is written at once when the message's
 // savepoint is open (the handler has used m.Tx), and kept for the batch's outcome statement
-// otherwise.
+// (or for the fused stage it advances to) otherwise.
 func (m *Message) choose(c change) error {
+	if m.link.prev != nil && c.stage == "" {
+		// The row was claimed at another stage: a fused stage's done or defer names its own.
+		c.stage = m.Stage
+	}
 	return m.outcomeNamed(m.ctx, c.what, func(tx *sql.Tx) error {
 		state, err := m.stateJSON()
 		if err != nil {
 			return fmt.Errorf("%s message %d: encode state: %w", c.what, m.ID, err)
 		}
-		if !m.srv.sess.isOpen() {
+		if !m.srv.sess.isOpen() || m.fusable(c) {
 			m.kept = &keptChange{change: c, state: state}
 			return nil
 		}
-		return m.update(m.ctx, tx, c, state)
+		return m.update(m.ctx, tx, c, state, m.Stage)
 	})
 }
 
@@ -804,7 +1154,9 @@ func (m *Message) choose(c change) error {
 // rolls it back. write must change the row in one statement guarded by
 // `workqueue_id = m.ID AND status = 'running' AND stage = m.Stage`, write the state (m.stateJSON)
 // in it, and return an error wrapping ErrClaimLost when that statement changes no row. An error
-// from write fails the message even if the handler then returns nil.
+// from write fails the message even if the handler then returns nil. At a fused stage the
+// guard holds as well: the savepoint's request has moved the running row to m.Stage. Such an
+// outcome is not an advance, so it ends the pass: nothing is fused after it.
 func (m *Message) outcome(ctx context.Context, write func(tx *sql.Tx) error) error {
 	return m.outcomeNamed(ctx, "an outcome", write)
 }
@@ -842,7 +1194,11 @@ func (m *Message) stateJSON() ([]byte, error) {
 // stage names checked against [a-z0-9_-]+, a timestamp and the state's JSON, each quoted by
 // pq.QuoteLiteral (the E'...' form when there are backslashes, so that the quoting does not
 // depend on standard_conforming_strings).
-func (m *Message) update(ctx context.Context, tx *sql.Tx, c change, state []byte) error {
+//
+// guard is the stage the row is running at in the transaction: m.Stage inside the message's
+// own savepoint (a fused stage's savepoint moves the row there), the claimed stage for an
+// outcome kept until the end of the batch.
+func (m *Message) update(ctx context.Context, tx *sql.Tx, c change, state []byte, guard string) error {
 	set := "status = " + pq.QuoteLiteral(c.status)
 	if c.stage != "" {
 		// An advance resets attempts: MAX_ATTEMPTS counts failures at one stage.
@@ -854,7 +1210,7 @@ func (m *Message) update(ctx context.Context, tx *sql.Tx, c change, state []byte
 	q := m.srv.sess.savepointPrefix() +
 		"UPDATE workqueue SET " + set + ", state = " + pq.QuoteLiteral(string(state)) + "::jsonb" +
 		" WHERE workqueue_id = " + strconv.FormatInt(m.ID, 10) +
-		" AND status = 'running' AND stage = " + pq.QuoteLiteral(m.Stage)
+		" AND status = 'running' AND stage = " + pq.QuoteLiteral(guard)
 	res, err := tx.ExecContext(ctx, q)
 	if err != nil {
 		return fmt.Errorf("%s message %d: %w", c.what, m.ID, err)
@@ -865,355 +1221,7 @@ func (m *Message) update(ctx context.Context, tx *sql.Tx, c change, state []byte
 	}
 	if n == 0 {
 		return fmt.Errorf("%s message %d: row is no longer running at stage %s: %w",
-			c.what, m.ID, m.Stage, ErrClaimLost)
+			c.what, m.ID, guard, ErrClaimLost)
 	}
 	return nil
-}
-
-// session is the state of the worker's one connection that the driver wrapper needs: which
-// message's savepoint is open, whether a handler is running, and whether the connection is
-// gone. Its fields are guarded by mu, because a handler may use m.Tx from goroutines of its
-// own; Serve's goroutine is the only other user.
-type session struct {
-	mu         sync.Mutex
-	conn       *wrappedConn // the one connection, nil before it is made
-	refused    bool         // database/sql asked for a second connection: the first is lost
-	inHandler  bool         // a handler is running: its statements need the savepoint
-	cur        string       // the savepoint name of the current message
-	open       bool         // cur is established
-	last       string       // the newest savepoint still on the stack, released before the next
-	broken     error        // a savepoint statement failed: the batch transaction is unusable
-	txOwned    bool         // the handler tried to commit or roll back m.Tx
-	statements int64        // requests sent on the connection (tests count round trips with it)
-}
-
-func (s *session) beginTx() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.last, s.cur, s.open, s.broken = "", "", false, nil
-}
-
-func (s *session) startMessage(index int) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.cur = "pepsi_msg_" + strconv.Itoa(index)
-	s.open = false
-	s.inHandler = true
-}
-
-// startSavepoint names the savepoint that the SDK's next statement opens (savepointPrefix).
-func (s *session) startSavepoint(name string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.cur, s.open = name, false
-}
-
-// isOpen reports whether the current message's savepoint is open: it has sent a statement.
-func (s *session) isOpen() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.open
-}
-
-func (s *session) endMessage() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.inHandler = false
-}
-
-func (s *session) brokenErr() error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.broken
-}
-
-func (s *session) txOwnedViolation() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.txOwned
-}
-
-// lost reports whether the connection is gone: database/sql tried to replace it, or lib/pq
-// marked it bad (network error, FATAL from the server, cancelled query).
-func (s *session) lost() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.refused || s.conn == nil || s.conn.closed || !s.conn.inner.IsValid()
-}
-
-// savepointPrefix returns the statements that open the current message's savepoint, to be
-// sent in the same request as the caller's statement, and records it as open; "" when it is
-// open already. Should the request fail before the savepoint is made, ROLLBACK TO it fails
-// too, and the batch ends: nothing is ever rolled back to the wrong savepoint, because each
-// message's has its own name.
-func (s *session) savepointPrefix() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.savepointPrefixLocked()
-}
-
-func (s *session) savepointPrefixLocked() string {
-	if s.open || s.cur == "" {
-		return ""
-	}
-	var b strings.Builder
-	if s.last != "" {
-		// Released, the previous message's subtransaction merges into the batch and the
-		// savepoint stack stays one deep.
-		b.WriteString("RELEASE SAVEPOINT " + s.last + "; ")
-	}
-	b.WriteString("SAVEPOINT " + s.cur + "; ")
-	s.open, s.last = true, s.cur
-	return b.String()
-}
-
-// beforeStatement opens the current message's savepoint before a handler's first statement.
-// Any statement counts, a Prepare too: an error in a transaction aborts it, whatever failed.
-func (s *session) beforeStatement(ctx context.Context) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.statements++
-	if !s.inHandler || s.broken != nil {
-		return s.broken
-	}
-	q := s.savepointPrefixLocked()
-	if q == "" {
-		return nil
-	}
-	s.statements++
-	if _, err := s.conn.inner.ExecContext(ctx, q, nil); err != nil {
-		s.broken = fmt.Errorf("open savepoint %s: %w", s.cur, err)
-		return s.broken
-	}
-	return nil
-}
-
-// rollbackMessage undoes what the current message wrote, if it wrote anything.
-func (s *session) rollbackMessage(ctx context.Context, tx *sql.Tx) error {
-	s.mu.Lock()
-	open, name, broken := s.open, s.cur, s.broken
-	s.mu.Unlock()
-	if broken != nil {
-		return broken
-	}
-	if !open {
-		return nil // the message sent nothing: there is nothing to undo
-	}
-	if _, err := tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT "+name); err != nil {
-		return fmt.Errorf("roll back to savepoint %s: %w", name, err)
-	}
-	return nil
-}
-
-// onceConnector makes the worker's one connection, and refuses every later request for one:
-// database/sql replaces a bad connection silently, but a stage must not, because the outcome
-// of the transaction it was in is unknown and the dispatcher recovers from the crash instead.
-type onceConnector struct {
-	pq   *pq.Connector
-	sess *session
-}
-
-func (c *onceConnector) Connect(ctx context.Context) (driver.Conn, error) {
-	c.sess.mu.Lock()
-	defer c.sess.mu.Unlock()
-	if c.sess.conn != nil || c.sess.refused {
-		c.sess.refused = true
-		return nil, ErrConnectionLost
-	}
-	inner, err := c.pq.Connect(ctx)
-	if err != nil {
-		c.sess.refused = true // one try: a stage that cannot connect exits and is restarted
-		return nil, err
-	}
-	pc, ok := inner.(pqConn)
-	if !ok {
-		inner.Close()
-		c.sess.refused = true
-		return nil, fmt.Errorf("lib/pq connection %T lacks an interface the stage SDK wraps", inner)
-	}
-	c.sess.conn = &wrappedConn{inner: pc, sess: c.sess}
-	return c.sess.conn, nil
-}
-
-func (c *onceConnector) Driver() driver.Driver { return c.pq.Driver() }
-
-// pqConn is what lib/pq's connection implements and database/sql looks for.
-type pqConn interface {
-	driver.Conn
-	driver.ConnBeginTx
-	driver.ConnPrepareContext
-	driver.ExecerContext
-	driver.QueryerContext
-	driver.Pinger
-	driver.SessionResetter
-	driver.Validator
-	driver.NamedValueChecker
-}
-
-// wrappedConn forwards to lib/pq, calling the session before every statement so that a
-// handler's statements run inside the message's savepoint, and keeping the batch transaction
-// out of the handler's hands.
-type wrappedConn struct {
-	inner  pqConn
-	sess   *session
-	closed bool // guarded by sess.mu
-}
-
-var (
-	_ driver.Conn               = (*wrappedConn)(nil)
-	_ driver.ConnBeginTx        = (*wrappedConn)(nil)
-	_ driver.ConnPrepareContext = (*wrappedConn)(nil)
-	_ driver.ExecerContext      = (*wrappedConn)(nil)
-	_ driver.QueryerContext     = (*wrappedConn)(nil)
-	_ driver.Pinger             = (*wrappedConn)(nil)
-	_ driver.SessionResetter    = (*wrappedConn)(nil)
-	_ driver.Validator          = (*wrappedConn)(nil)
-	_ driver.NamedValueChecker  = (*wrappedConn)(nil)
-	_ driver.StmtExecContext    = (*wrappedStmt)(nil)
-	_ driver.StmtQueryContext   = (*wrappedStmt)(nil)
-)
-
-func (c *wrappedConn) Prepare(query string) (driver.Stmt, error) {
-	return c.PrepareContext(context.Background(), query)
-}
-
-func (c *wrappedConn) PrepareContext(ctx context.Context, query string) (driver.Stmt, error) {
-	if err := c.sess.beforeStatement(ctx); err != nil {
-		return nil, err
-	}
-	st, err := c.inner.PrepareContext(ctx, query)
-	if err != nil {
-		return nil, err
-	}
-	cst, ok := st.(ctxStmt)
-	if !ok {
-		st.Close()
-		return nil, fmt.Errorf("prepare: lib/pq statement %T lacks the context methods the stage SDK wraps", st)
-	}
-	return &wrappedStmt{inner: cst, sess: c.sess}, nil
-}
-
-func (c *wrappedConn) Close() error {
-	c.sess.mu.Lock()
-	c.closed = true
-	c.sess.mu.Unlock()
-	return c.inner.Close()
-}
-
-func (c *wrappedConn) Begin() (driver.Tx, error) {
-	return c.BeginTx(context.Background(), driver.TxOptions{})
-}
-
-func (c *wrappedConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
-	c.sess.mu.Lock()
-	c.sess.statements++
-	c.sess.mu.Unlock()
-	tx, err := c.inner.BeginTx(ctx, opts)
-	if err != nil {
-		return nil, err
-	}
-	return &wrappedTx{inner: tx, sess: c.sess}, nil
-}
-
-func (c *wrappedConn) ExecContext(ctx context.Context, query string, args []driver.NamedValue) (
-	driver.Result, error) {
-	if err := c.sess.beforeStatement(ctx); err != nil {
-		return nil, err
-	}
-	return c.inner.ExecContext(ctx, query, args)
-}
-
-func (c *wrappedConn) QueryContext(ctx context.Context, query string, args []driver.NamedValue) (
-	driver.Rows, error) {
-	if err := c.sess.beforeStatement(ctx); err != nil {
-		return nil, err
-	}
-	return c.inner.QueryContext(ctx, query, args)
-}
-
-func (c *wrappedConn) Ping(ctx context.Context) error { return c.inner.Ping(ctx) }
-
-func (c *wrappedConn) ResetSession(ctx context.Context) error { return c.inner.ResetSession(ctx) }
-
-func (c *wrappedConn) IsValid() bool { return c.inner.IsValid() }
-
-func (c *wrappedConn) CheckNamedValue(nv *driver.NamedValue) error {
-	return c.inner.CheckNamedValue(nv)
-}
-
-// wrappedTx refuses Commit and Rollback while a handler runs: the batch transaction is the SDK's.
-type wrappedTx struct {
-	inner driver.Tx
-	sess  *session
-}
-
-func (t *wrappedTx) Commit() error {
-	if t.refuse() {
-		return errTxOwned
-	}
-	return t.inner.Commit()
-}
-
-func (t *wrappedTx) Rollback() error {
-	if t.refuse() {
-		return errTxOwned
-	}
-	return t.inner.Rollback()
-}
-
-func (t *wrappedTx) refuse() bool {
-	t.sess.mu.Lock()
-	defer t.sess.mu.Unlock()
-	if t.sess.inHandler {
-		t.sess.txOwned = true
-		return true
-	}
-	t.sess.statements++
-	return false
-}
-
-// ctxStmt is what lib/pq's prepared statement implements.
-type ctxStmt interface {
-	driver.Stmt
-	driver.StmtExecContext
-	driver.StmtQueryContext
-}
-
-// wrappedStmt is a prepared statement; executing it is a statement like any other.
-type wrappedStmt struct {
-	inner ctxStmt
-	sess  *session
-}
-
-func (s *wrappedStmt) Close() error  { return s.inner.Close() }
-func (s *wrappedStmt) NumInput() int { return s.inner.NumInput() }
-
-func (s *wrappedStmt) Exec(args []driver.Value) (driver.Result, error) {
-	return s.ExecContext(context.Background(), namedValues(args))
-}
-
-func (s *wrappedStmt) Query(args []driver.Value) (driver.Rows, error) {
-	return s.QueryContext(context.Background(), namedValues(args))
-}
-
-func (s *wrappedStmt) ExecContext(ctx context.Context, args []driver.NamedValue) (driver.Result, error) {
-	if err := s.sess.beforeStatement(ctx); err != nil {
-		return nil, err
-	}
-	return s.inner.ExecContext(ctx, args)
-}
-
-func (s *wrappedStmt) QueryContext(ctx context.Context, args []driver.NamedValue) (driver.Rows, error) {
-	if err := s.sess.beforeStatement(ctx); err != nil {
-		return nil, err
-	}
-	return s.inner.QueryContext(ctx, args)
-}
-
-func namedValues(args []driver.Value) []driver.NamedValue {
-	nv := make([]driver.NamedValue, len(args))
-	for i, v := range args {
-		nv[i] = driver.NamedValue{Ordinal: i + 1, Value: v}
-	}
-	return nv
 }
