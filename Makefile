@@ -12,8 +12,10 @@ SHAREDIR = $(DESTDIR)$(PREFIX)/share/pepsi
 
 .PHONY: help build test race vet fuzz demo bench clean
 
+include dist/install.mk
+
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
 build:  ## the static daemon binary ./pepsi-dispatch
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o pepsi-dispatch .

@@ -142,8 +142,8 @@ const iniMaxLine = 64 << 10
 
 // parseINI reads the INI dialect of pepsi.conf: [section] headers, KEY = value lines,
 // '#' and ';' comment lines and blank lines; surrounding spaces are trimmed. Lines of sections
-// that are not ours are returned unchecked (they belong to other programs), except that every
-// line must still be a header, a comment, a blank or contain '='.
+// that are not ours are skipped unchecked, whatever they contain: they belong to other
+// programs.
 // A section header alone is returned as an entry with an empty Key, so that empty sections
 // and their line numbers are known.
 func parseINI(name string, r io.Reader) ([]iniEntry, error) {

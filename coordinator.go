@@ -44,7 +44,8 @@ type coordinator struct {
 	claimer claimer
 
 	notify <-chan *pq.Notification // nil once the listener is closed
-	sigs   <-chan os.Signal
+	sigs   <-chan os.Signal        // SIGINT, SIGTERM: shut down
+	hups   <-chan os.Signal        // SIGHUP: reload the stage graph, as config_changed does
 
 	ctx    context.Context // lives until the workers' goroutines are done sending
 	wg     *sync.WaitGroup // the workers' goroutines
@@ -109,8 +110,11 @@ func newCoordinator(ctx context.Context, cfg *Config, log *slog.Logger, db *sql.
 	c.workerDSN = dsnWith(cfg.DSN, "application_name", inst.appName(appWorker))
 	for _, kv := range os.Environ() {
 		k, _, _ := strings.Cut(kv, "=")
-		if strings.HasPrefix(k, "PEPSI_") && k != "PEPSI_TEST_WORKER" || k == "PGAPPNAME" {
-			continue
+		switch {
+		case strings.HasPrefix(k, "PEPSI_") && k != "PEPSI_TEST_WORKER", k == "PGAPPNAME":
+			continue // set per worker below
+		case k == "NOTIFY_SOCKET" || k == "WATCHDOG_USEC" || k == "WATCHDOG_PID" || k == "LISTEN_FDS" || k == "LISTEN_PID":
+			continue // systemd's, for the daemon alone: a worker must not answer for it
 		}
 		c.workerEnv = append(c.workerEnv, kv)
 	}
@@ -170,6 +174,9 @@ func (c *coordinator) loop() error {
 			c.onNotify(n, ok)
 		case s := <-c.sigs:
 			c.onSignal(s)
+		case <-c.hups:
+			c.log.Info("SIGHUP: reloading the stage graph")
+			c.reloadWanted = true
 		case <-c.timer.C:
 			c.onTimers()
 		}
@@ -665,7 +672,7 @@ func (c *coordinator) onExit(ev workerExit) {
 		c.resets = append(c.resets, q[1:]...)
 	case w.fate == fateProtocol || w.fate == fateRetired:
 		c.resets = append(c.resets, q...)
-	case w.answered == 0 && now.Sub(w.started) < startupWindow && w.fate == fateNone:
+	case w.answered == 0 && now.Sub(w.started) < startupWindow && w.fate == fateNone && !c.samePoison(w, q[0]):
 		c.holdStage(w, reason, now)
 		c.resets = append(c.resets, q...)
 	case ev.state != nil && ev.state.Success():
@@ -678,6 +685,23 @@ func (c *coordinator) onExit(ev workerExit) {
 		c.fail(q[0], fmt.Sprintf("stage %s: %s", w.stage, reason))
 		c.resets = append(c.resets, q[1:]...)
 	}
+}
+
+// samePoison reports whether head was also at the head of the stage's previous worker that
+// died before answering: then it is the message that kills workers, and it fails like a crash.
+func (c *coordinator) samePoison(w *worker, head *message) bool {
+	p := c.pools[w.stage]
+	if p == nil {
+		return false
+	}
+	if p.startupHead == head.id {
+		p.startupHead = 0
+		c.log.Warn("the same message was at the head of two workers that died at start; failing it as a crash",
+			"stage", w.stage, "id", head.id)
+		return true
+	}
+	p.startupHead = head.id
+	return false
 }
 
 // holdStage puts a stage whose worker could not get going on cool-down.

@@ -38,7 +38,10 @@ func dsnWith(dsn, key, value string) string {
 		if err == nil {
 			q := u.Query()
 			q.Set(key, value)
-			u.RawQuery = q.Encode()
+			// Encode writes a space as '+', which libpq (psql, psycopg) does not decode: a
+			// non-Go worker would read "+search_path". Literal '+' is already %2B, so every
+			// remaining '+' is a space.
+			u.RawQuery = strings.ReplaceAll(q.Encode(), "+", "%20")
 			return u.String()
 		}
 	}

@@ -550,3 +550,18 @@ func TestFuseList(t *testing.T) {
 		}
 	}
 }
+
+func TestDSNWith(t *testing.T) {
+	for in, want := range map[string]string{
+		"host=/tmp dbname=x": "host=/tmp dbname=x application_name='pepsi-worker 7'",
+		"":                   "application_name='pepsi-worker 7'",
+		"postgres://u@h/db?options=-c%20search_path%3Ds": "postgres://u@h/db?application_name=pepsi-worker%207&options=-c%20search_path%3Ds",
+	} {
+		if got := dsnWith(in, "application_name", "pepsi-worker 7"); got != want {
+			t.Errorf("dsnWith(%q) = %q, want %q", in, got, want)
+		}
+	}
+	if got := dsnWith("dbname=x", "application_name", `it's\`); got != `dbname=x application_name='it\'s\\'` {
+		t.Errorf("quoting: %q", got)
+	}
+}

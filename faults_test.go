@@ -479,3 +479,21 @@ func TestTerminateEachConnection(t *testing.T) {
 	checkExactlyOnce(t, s, n)
 	d.stop()
 }
+
+// TestPoisonMessageDoesNotHoldForever: a message that kills every fresh worker before its
+// first answer first looks like a program that cannot start (stage held, message untouched);
+// the second death with the same head message fails it like a crash, so the stage moves on.
+func TestPoisonMessageDoesNotHoldForever(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 1\nMAX_ATTEMPTS = 2\nRETRY_DELAY = 0.1"), "pipeline")
+	poison := insertOne(t, s, "a", `{"crash_at": "a"}`)
+	good := insertOne(t, s, "a", `{}`)
+	waitFor(t, 60*time.Second, "poison message failed", func() bool { return row(t, s, poison).status == "failed" })
+	if r := row(t, s, poison); r.attempts != 2 || !strings.Contains(r.reason, "worker exited with status 3") {
+		t.Errorf("poison message: %+v", r)
+	}
+	waitFor(t, 30*time.Second, "the message behind it done", func() bool { return row(t, s, good).status == "done" })
+	d.waitLog("failing it as a crash", time.Second)
+	d.stop()
+}

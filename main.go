@@ -114,8 +114,13 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	defer signal.Stop(sigs)
 	// poolcounterd restarts gracefully on SIGUSR1; its operators may send it out of habit.
-	// Go's default would end the process and drop every lock: ignore it instead.
+	// Go ignores it already; say so explicitly, so no later Notify changes that by accident.
 	signal.Ignore(syscall.SIGUSR1)
+	// SIGHUP reloads the stage graph (as a config_changed notification does); without a
+	// dispatcher it is ignored. Go's default would end the process.
+	hups := make(chan os.Signal, 1) // one pending reload is as good as many
+	signal.Notify(hups, syscall.SIGHUP)
+	defer signal.Stop(hups)
 
 	// Sockets first: a privileged port must be bound before the privileges go.
 	var pcLn net.Listener
@@ -194,11 +199,12 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
 			}
 		}
 	}
-	return serveDispatch(ctx, cfg, log.With("component", "dispatch"), sigs, metrics, sd)
+	return serveDispatch(ctx, cfg, log.With("component", "dispatch"), sigs, hups, metrics, sd)
 }
 
 // serveDispatch runs the dispatcher part: lock, fence, reset, LISTEN, coordinate.
-func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.Signal, metrics *metricsServer, sd *notifier) error {
+func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hups <-chan os.Signal,
+	metrics *metricsServer, sd *notifier) error {
 	inst, db, err := connect(ctx, cfg, log, sigs)
 	if err != nil || inst == nil {
 		return err // inst == nil, err == nil: a signal arrived while waiting for the database
@@ -268,6 +274,7 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-ch
 		return err
 	}
 	c.notifier = sd
+	c.hups = hups
 	if cfg.Dispatch.Retention > 0 {
 		c.retain = &retainer{age: cfg.Dispatch.Retention}
 	}

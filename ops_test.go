@@ -356,3 +356,51 @@ func TestLockServiceAlone(t *testing.T) {
 		t.Error("component attribute logged twice")
 	}
 }
+
+// TestFaninPinnedToItsSchema: a child finished by a session whose search_path names another
+// system still records its evidence in its own system's inbox (the functions are pinned).
+func TestFaninPinnedToItsSchema(t *testing.T) {
+	s1, s2 := newTestSchema(t), newTestSchema(t)
+	parent := insertOne(t, s1, "split", `{}`)
+	s1.exec(t, `UPDATE workqueue SET status = 'running' WHERE workqueue_id = $1`, parent)
+	s1.exec(t, `SELECT fanout_split($1, 'split', 'join', 'child', '[{}]'::jsonb)`, parent)
+	child := s1.count(t, `SELECT workqueue_id FROM workqueue WHERE fanout_id IS NOT NULL`)
+	// s2's connection, s1's table by its qualified name.
+	s2.exec(t, `UPDATE `+s1.Name+`.workqueue SET status = 'done' WHERE workqueue_id = $1`, child)
+	if n := s1.count(t, `SELECT count(*) FROM fanin_event`); n != 1 {
+		t.Errorf("%d events in the child's own system, want 1", n)
+	}
+	if n := s2.count(t, `SELECT count(*) FROM fanin_event`); n != 0 {
+		t.Errorf("%d events leaked into another system's inbox", n)
+	}
+}
+
+// TestSighupReloadsFile: SIGHUP re-reads the file's [stage-*] sections, like config_changed.
+func TestSighupReloadsFile(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	dir := testDir(t)
+	path := writeFile(t, dir, "pepsi.conf", baseConf(s, "")+stageConf(t, "a", "", ""))
+	cmd := exec.Command(os.Args[0], "-c", path, "-v", "serve")
+	cmd.Env = append(os.Environ(), "PEPSI_TEST_DAEMON=1", "PEPSI_TEST_WORKER=pipeline")
+	d := &daemon{t: t, cmd: cmd, log: &syncBuffer{}, done: make(chan struct{})}
+	cmd.Stdout, cmd.Stderr = d.log, d.log
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { cmd.Wait(); close(d.done) }()
+	t.Cleanup(func() { cmd.Process.Kill(); <-d.done })
+	d.waitLog("dispatching", 30*time.Second)
+	writeFile(t, dir, "pepsi.conf", baseConf(s, "")+stageConf(t, "a", "b", "")+stageConf(t, "b", "", ""))
+	cmd.Process.Signal(syscall.SIGHUP)
+	d.waitLog("stage graph reloaded", 30*time.Second)
+	enqueue(t, s, "a", 5, `{}`)
+	waitFor(t, 30*time.Second, "5 done at b", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'done' AND stage = 'b'`) == 5
+	})
+	cmd.Process.Signal(syscall.SIGTERM)
+	<-d.done
+	if cmd.ProcessState.ExitCode() != 0 {
+		t.Errorf("exit %d", cmd.ProcessState.ExitCode())
+	}
+}

@@ -40,6 +40,12 @@ type pool struct {
 	holdDelay time.Duration // the next cool-down
 
 	fuse string // PEPSI_FUSE for its workers: the stages they may run in the same pass
+
+	// startupHead is the head message of the last worker that died before its first answer.
+	// The same message at the head of a second such death is taken for a message that kills
+	// its worker, not for a program that cannot start: it fails like a crash, so one poison
+	// message cannot hold its stage for ever.
+	startupHead int64
 }
 
 // fuseList returns PEPSI_FUSE for stage name: every FUSE = yes stage reachable from it through

@@ -5,6 +5,13 @@
 -- Every object lives in the first schema of the connection's search_path, so several
 -- independent systems can share one database, each with its own schema and dispatcher.
 --
+-- Every function (and so every trigger) is pinned to the search_path in force when this file
+-- is applied (SET search_path FROM CURRENT): a session whose own search_path points elsewhere
+-- still writes this system's tables, never another system's in the same database.
+--
+-- Upgrades: re-applying this file adds what a newer version added (ADD COLUMN IF NOT EXISTS
+-- below each table that grew), so an existing database keeps working.
+--
 -- Who writes what:
 --   workqueue        INSERT by producers (enqueue); pending->running and every failure or
 --                    reset by the dispatcher only, guarded by (status, stage, claim);
@@ -52,7 +59,7 @@ CREATE INDEX IF NOT EXISTS workqueue_running ON workqueue (workqueue_id)
     WHERE status = 'running';
 
 -- Enqueue notifies the dispatcher once per statement, so a bulk INSERT costs one NOTIFY.
-CREATE OR REPLACE FUNCTION workqueue_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION workqueue_notify() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     PERFORM pg_notify('workqueue', '');
     RETURN NULL;
@@ -80,7 +87,7 @@ CREATE TABLE IF NOT EXISTS config (
     PRIMARY KEY (section, key)
 );
 
-CREATE OR REPLACE FUNCTION config_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION config_notify() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     PERFORM pg_notify('config_changed', '');
     RETURN NULL;
@@ -120,6 +127,14 @@ CREATE TABLE IF NOT EXISTS dispatch_stats (
     fanin_quarantined    bigint NOT NULL DEFAULT 0,  -- groups whose evidence tripped a guard
     updated_at  timestamptz NOT NULL DEFAULT now()
 );
+ALTER TABLE dispatch_stats
+    ADD COLUMN IF NOT EXISTS fanin_events         bigint NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS fanin_flushes        bigint NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS fanin_flush_ms       bigint NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS fanin_wakes          bigint NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS fanin_late_events    bigint NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS fanin_sweep_repaired bigint NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS fanin_quarantined    bigint NOT NULL DEFAULT 0;
 INSERT INTO dispatch_stats (id) VALUES (1) ON CONFLICT (id) DO NOTHING;
 
 -- Who holds the single-instance lock. The epoch changes at every start, so a dispatcher that
@@ -241,7 +256,7 @@ CREATE TABLE IF NOT EXISTS fanin_quarantine (
 -- produce nothing. It also refuses to change a row's fanout_id (children are made by INSERT
 -- only) and to delete a child of an open group. Deleting a child of a fired group (retention)
 -- writes no event: a fired group ignores events anyway.
-CREATE OR REPLACE FUNCTION workqueue_fanin_evt() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION workqueue_fanin_evt() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     was_done int := 0;
     was_fail int := 0;
@@ -308,7 +323,7 @@ END $$;
 CREATE OR REPLACE FUNCTION fanout_range_n(p_lo bigint, p_hi bigint,
                                           p_max_children int DEFAULT 10000,
                                           p_min_span bigint DEFAULT 1000)
-RETURNS int LANGUAGE plpgsql IMMUTABLE AS $$
+RETURNS int LANGUAGE plpgsql IMMUTABLE SET search_path FROM CURRENT AS $$
 BEGIN
     IF p_max_children IS NULL OR p_max_children < 1 OR p_min_span IS NULL OR p_min_span < 1 THEN
         RAISE EXCEPTION 'fanout range split: max_children (%) and min_span (%) must be >= 1',
@@ -323,7 +338,7 @@ END $$;
 CREATE OR REPLACE FUNCTION fanout_range_slices(p_lo bigint, p_hi bigint,
                                                p_max_children int DEFAULT 10000,
                                                p_min_span bigint DEFAULT 1000)
-RETURNS TABLE (seq int, range_lo bigint, range_hi bigint) LANGUAGE plpgsql IMMUTABLE AS $$
+RETURNS TABLE (seq int, range_lo bigint, range_hi bigint) LANGUAGE plpgsql IMMUTABLE SET search_path FROM CURRENT AS $$
 DECLARE
     n     int := fanout_range_n(p_lo, p_hi, p_max_children, p_min_span);
     width numeric;
@@ -355,7 +370,7 @@ END $$;
 CREATE OR REPLACE FUNCTION fanout_range_bounds(p_lo bigint, p_hi bigint,
                                                p_max_children int DEFAULT 10000,
                                                p_min_span bigint DEFAULT 1000)
-RETURNS bigint[] LANGUAGE sql IMMUTABLE AS $$
+RETURNS bigint[] LANGUAGE sql IMMUTABLE SET search_path FROM CURRENT AS $$
     SELECT CASE WHEN count(*) = 0 THEN '{}'
                 ELSE array_agg(range_lo ORDER BY seq) || (array_agg(range_hi ORDER BY seq DESC))[1]
            END
@@ -373,7 +388,7 @@ $$;
 CREATE OR REPLACE FUNCTION fanout_count_bounds(p_ids_query text, p_lo bigint, p_hi bigint,
                                                p_max_children int DEFAULT 10000,
                                                p_min_span bigint DEFAULT 1000)
-RETURNS bigint[] LANGUAGE plpgsql AS $$
+RETURNS bigint[] LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     starts bigint[];
     total  bigint;
@@ -427,7 +442,7 @@ CREATE OR REPLACE FUNCTION fanout_split_bounds(p_parent bigint, p_split_stage te
                                                p_bounds bigint[],
                                                p_child_payload jsonb DEFAULT NULL,
                                                p_state jsonb DEFAULT NULL)
-RETURNS bigint LANGUAGE plpgsql AS $$
+RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     n   int := greatest(coalesce(array_length(p_bounds, 1), 0) - 1, 0);
     fid bigint;
@@ -460,7 +475,7 @@ END $$;
 -- The parent row is locked first, so a duplicate execution fails here, before any child.
 CREATE OR REPLACE FUNCTION fanout_parent_wait(p_parent bigint, p_split_stage text,
                                               p_continuation text, n int, p_state jsonb)
-RETURNS bigint LANGUAGE plpgsql AS $$
+RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     fid bigint;
     gen int;
@@ -493,7 +508,7 @@ END $$;
 CREATE OR REPLACE FUNCTION fanout_split(p_parent bigint, p_split_stage text,
                                         p_continuation text, p_child_stage text,
                                         p_payloads jsonb, p_state jsonb DEFAULT NULL)
-RETURNS bigint LANGUAGE plpgsql AS $$
+RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     n   int;
     fid bigint;
@@ -528,7 +543,7 @@ CREATE OR REPLACE FUNCTION fanout_split_range(p_parent bigint, p_split_stage tex
                                               p_min_span bigint DEFAULT 1000,
                                               p_child_payload jsonb DEFAULT NULL,
                                               p_state jsonb DEFAULT NULL)
-RETURNS bigint LANGUAGE plpgsql AS $$
+RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     n   int := fanout_range_n(p_lo, p_hi, p_max_children, p_min_span);
     fid bigint;
@@ -559,7 +574,7 @@ END $$;
 CREATE OR REPLACE FUNCTION fanin_apply(p_ids bigint[],
     OUT events int, OUT groups_updated int, OUT groups_fired int, OUT parents_woken int,
     OUT late_events int, OUT woken bigint[], OUT open_ids bigint[], OUT open_remaining int[])
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     WITH ev AS (
         DELETE FROM fanin_event WHERE id = ANY (p_ids)
@@ -630,7 +645,7 @@ CREATE OR REPLACE FUNCTION fanin_flush(p_batch int DEFAULT 10000,
     OUT events int, OUT groups_updated int, OUT groups_fired int, OUT parents_woken int,
     OUT late_events int, OUT quarantined int, OUT woken bigint[], OUT open_ids bigint[],
     OUT open_remaining int[], OUT quarantined_ids bigint[])
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     batch bigint[];
     r     record;
@@ -692,7 +707,7 @@ END $$;
 -- it fired instead).
 CREATE OR REPLACE FUNCTION fanin_fire(p_ids bigint[],
     OUT groups_fired int, OUT parents_woken int, OUT woken bigint[])
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     WITH ready AS (
         UPDATE fanout f SET state = 'fired', fired_at = now()
@@ -723,7 +738,7 @@ END $$;
 -- coordinator wants a safety pass. fanin_sweep does it for the groups of its page.
 CREATE OR REPLACE FUNCTION fanin_fire_ready(
     OUT groups_fired int, OUT parents_woken int, OUT woken bigint[])
-LANGUAGE sql AS $$
+LANGUAGE sql SET search_path FROM CURRENT AS $$
     SELECT * FROM fanin_fire(NULL);
 $$;
 
@@ -736,7 +751,7 @@ $$;
 -- An open group that already has a wake-log row (it fired once, then someone reopened it)
 -- is recounted and marked fired again, never re-woken. repaired counts the groups changed.
 CREATE OR REPLACE FUNCTION fanin_recount(p_ids bigint[], OUT repaired int, OUT broken bigint[])
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     fixed  bigint[];
     refire bigint[];
@@ -801,7 +816,7 @@ CREATE OR REPLACE FUNCTION fanin_sweep(p_after bigint DEFAULT 0, p_page int DEFA
     OUT repaired int, OUT examined int, OUT quarantine_cleared int, OUT orphans_woken int,
     OUT groups_fired int, OUT parents_woken int, OUT woken bigint[], OUT broken bigint[],
     OUT next_after bigint)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     q_ids    bigint[];
     page_ids bigint[];
@@ -854,7 +869,7 @@ END $$;
 -- fanin_group_remaining: the state and remaining children of the groups p_ids, for the
 -- coordinator's wake rule when it meets a group it has no figure for (one index probe each).
 CREATE OR REPLACE FUNCTION fanin_group_remaining(p_ids bigint[])
-RETURNS TABLE (fanout_id bigint, state text, remaining int) LANGUAGE sql STABLE AS $$
+RETURNS TABLE (fanout_id bigint, state text, remaining int) LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
     SELECT f.fanout_id, f.state, f.expected_n - f.done_n - f.failed_n
       FROM fanout f WHERE f.fanout_id = ANY (p_ids) ORDER BY f.fanout_id;
 $$;
@@ -865,7 +880,7 @@ $$;
 CREATE OR REPLACE FUNCTION fanin_status(OUT inbox_nonempty boolean, OUT open_groups bigint,
                                         OUT oldest_open_age_s double precision,
                                         OUT quarantined bigint)
-LANGUAGE sql STABLE AS $$
+LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
     SELECT EXISTS (SELECT 1 FROM fanin_event),
            (SELECT count(*) FROM fanout WHERE state = 'open'),
            (SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::double precision
@@ -882,7 +897,7 @@ $$;
 CREATE OR REPLACE FUNCTION fanin_result(p_parent bigint)
 RETURNS TABLE (fanout_id bigint, generation int, state text,
                expected_n int, done_n int, failed_n int)
-LANGUAGE sql STABLE AS $$
+LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
     SELECT f.fanout_id, f.generation, f.state, f.expected_n, f.done_n, f.failed_n
       FROM workqueue p JOIN fanout f ON f.fanout_id = p.wait_fanout_id
      WHERE p.workqueue_id = p_parent;
@@ -895,7 +910,7 @@ CREATE OR REPLACE FUNCTION fanin_failed_children(p_parent bigint, p_after_seq in
                                                  p_limit int DEFAULT NULL)
 RETURNS TABLE (workqueue_id bigint, fanout_seq int, range_lo bigint, range_hi bigint,
                dispatch_error text, payload jsonb)
-LANGUAGE sql STABLE AS $$
+LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
     SELECT c.workqueue_id, c.fanout_seq, c.range_lo, c.range_hi,
            c.state ->> 'dispatch_error', c.payload
       FROM workqueue p JOIN workqueue c ON c.fanout_id = p.wait_fanout_id
@@ -912,7 +927,7 @@ $$;
 -- when a page was committed, else range_lo; NULL when the slice is exhausted (the cursor
 -- reached range_hi or passed the int8 maximum). PF002 if p_child is not a range child.
 CREATE OR REPLACE FUNCTION fanout_child_cursor(p_child bigint)
-RETURNS bigint LANGUAGE plpgsql STABLE AS $$
+RETURNS bigint LANGUAGE plpgsql STABLE SET search_path FROM CURRENT AS $$
 DECLARE
     lo  bigint;
     hi  bigint;
@@ -935,7 +950,7 @@ END $$;
 -- the page's action, so action and cursor commit together. Guarded by status = 'running' AND
 -- stage = p_stage (PF001 when the claim is gone: roll the page back).
 CREATE OR REPLACE FUNCTION fanout_child_advance(p_child bigint, p_stage text, p_last bigint)
-RETURNS void LANGUAGE plpgsql AS $$
+RETURNS void LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     UPDATE workqueue
        SET state = jsonb_set(state, '{cursor}', to_jsonb(p_last::numeric + 1))
