@@ -404,3 +404,54 @@ func TestSighupReloadsFile(t *testing.T) {
 		t.Errorf("exit %d", cmd.ProcessState.ExitCode())
 	}
 }
+
+// TestInstall: `make build` and `make install` (PREFIX, DESTDIR) lay out the static binary,
+// the man pages, the shared files, the unit and the sysusers entry; the installed binary
+// reports the version it was built with in its start-up log line.
+func TestInstall(t *testing.T) {
+	if _, err := exec.LookPath("make"); err != nil {
+		t.Skip("make not installed")
+	}
+	root := testDir(t)
+	if out, err := exec.Command("make", "-s", "build", "VERSION=9.8.7-test").CombinedOutput(); err != nil {
+		t.Fatalf("make build: %v\n%s", err, out)
+	}
+	if out, err := exec.Command("make", "-s", "install", "DESTDIR="+root, "PREFIX=/usr").CombinedOutput(); err != nil {
+		t.Fatalf("make install: %v\n%s", err, out)
+	}
+	for _, f := range []string{
+		"usr/bin/pepsi-dispatch", "usr/share/man/man1/pepsi-dispatch.1", "usr/share/man/man5/pepsi.conf.5",
+		"usr/share/man/man7/pepsi-worker.7", "usr/share/pepsi/schema.sql", "usr/share/pepsi/pepsi.conf.example",
+		"lib/systemd/system/pepsi-dispatch.service", "usr/lib/sysusers.d/pepsi.conf",
+	} {
+		if _, err := os.Stat(root + "/" + f); err != nil {
+			t.Errorf("not installed: %s", f)
+		}
+	}
+	unit, _ := os.ReadFile(root + "/lib/systemd/system/pepsi-dispatch.service")
+	if !strings.Contains(string(unit), "ExecStart=/usr/bin/pepsi-dispatch") || !strings.Contains(string(unit), "Type=notify") {
+		t.Errorf("unit does not start the installed binary under Type=notify:\n%s", unit)
+	}
+	// The installed binary runs, and says which version it is.
+	conf := writeFile(t, testDir(t), "c.conf", fmt.Sprintf("[poolcounter]\nLISTEN = %s\n[pepsi-dispatch]\nUSER = nobody\n", freePort(t)))
+	cmd := exec.Command(root+"/usr/bin/pepsi-dispatch", "-c", conf, "serve")
+	log := &syncBuffer{}
+	cmd.Stderr = log
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "start-up log line", func() bool { return strings.Contains(log.String(), "lock service listening") })
+	cmd.Process.Signal(syscall.SIGTERM)
+	if err := cmd.Wait(); err != nil {
+		t.Errorf("installed binary: %v\n%s", err, log.String())
+	}
+	if !strings.Contains(log.String(), "version=9.8.7-test") {
+		t.Errorf("start-up log does not report the build version:\n%s", log.String())
+	}
+	if out, err := exec.Command("make", "-s", "uninstall", "DESTDIR="+root, "PREFIX=/usr").CombinedOutput(); err != nil {
+		t.Errorf("make uninstall: %v\n%s", err, out)
+	}
+	if _, err := os.Stat(root + "/usr/bin/pepsi-dispatch"); err == nil {
+		t.Error("uninstall left the binary")
+	}
+}
