@@ -267,8 +267,8 @@ func (c *coordinator) faninSweep() {
 		c.log.Warn("fan-in sweep repaired drift (completion evidence was lost or inconsistent)",
 			"repaired", repaired, "orphans_woken", orphans, "broken", broken, "examined", examined)
 	}
-	if woken > 0 {
-		c.claimWanted = true
+	if woken > 0 || orphans > 0 {
+		c.claimWanted = true // both are pending at their continuation now
 	}
 	f.sweepAfter = next
 	if next != 0 {
