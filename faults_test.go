@@ -409,10 +409,10 @@ func TestSecondSignalHurries(t *testing.T) {
 }
 
 func TestPostgresRestartUnderLoad(t *testing.T) {
-	if testPG.dir == "" {
+	if testPG.Dir() == "" {
 		baseDSN(t)
 	}
-	if testPG.dir == "" {
+	if testPG.Dir() == "" {
 		t.Skip("PEPSI_TEST_DSN names an external server; this test restarts the private one")
 	}
 	s := newTestSchema(t)
@@ -422,7 +422,7 @@ func TestPostgresRestartUnderLoad(t *testing.T) {
 	d := startDaemon(t, conf, "pipeline")
 	enqueue(t, s, "a", n, `{"sleep_ms": 1}`)
 	waitFor(t, 60*time.Second, "some progress", func() bool { return countStatus(t, s, "done") > n/5 })
-	out, err := exec.Command("scripts/pg-private", "restart", testPG.dir).CombinedOutput()
+	out, err := exec.Command("scripts/pg-private", "restart", testPG.Dir()).CombinedOutput()
 	if err != nil {
 		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
 	}

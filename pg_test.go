@@ -1,7 +1,7 @@
 // pg_test.go: the test harness shared by every test of the package.
 //
-// It owns the private PostgreSQL cluster of a test run (started on first use, stopped when the
-// run ends), one fresh schema per test, and test-binary impersonation: the test binary runs as
+// The private PostgreSQL cluster of a test run and the schema per test come from
+// internal/pgtest (shared with the SDK's tests); this file adds test-binary impersonation: the test binary runs as
 // a worker program (PEPSI_TEST_WORKER) or as the daemon itself (PEPSI_TEST_DAEMON), so the
 // tests need no other binary and the race detector covers the subprocesses too.
 package main
@@ -10,18 +10,13 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"regexp"
 	"runtime"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	_ "github.com/lib/pq"
+	"pepsi-dispatch/internal/pgtest"
 )
 
 // testWorkers maps a PEPSI_TEST_WORKER value to the worker program it runs. Test files add
@@ -44,80 +39,18 @@ func TestMain(m *testing.M) {
 	}
 	before := runtime.NumGoroutine()
 	code := m.Run()
-	testPG.stop()
+	testPG.Stop()
 	if code == 0 {
-		code = checkGoroutineLeaks(before)
+		code = pgtest.CheckGoroutineLeaks(before)
 	}
 	os.Exit(code)
 }
 
-// checkGoroutineLeaks fails the run when goroutines started by tests outlive them.
-// Goroutines finish asynchronously after Close, so it waits a little for them to settle.
-func checkGoroutineLeaks(before int) int {
-	deadline := time.Now().Add(5 * time.Second)
-	for runtime.NumGoroutine() > before+2 { // +2: the signal handler and lib/pq's idle timers
-		if time.Now().After(deadline) {
-			buf := make([]byte, 1<<20)
-			n := runtime.Stack(buf, true)
-			fmt.Fprintf(os.Stderr, "goroutine leak: %d before tests, %d after\n%s\n",
-				before, runtime.NumGoroutine(), buf[:n])
-			return 1
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return 0
-}
-
-// testPG is the run's PostgreSQL: PEPSI_TEST_DSN when set, else a private cluster.
-var testPG privatePG
-
-type privatePG struct {
-	once sync.Once
-	dsn  string
-	dir  string // private cluster directory, "" when PEPSI_TEST_DSN is used
-	err  error
-}
-
-func (p *privatePG) stop() {
-	if p.dir == "" {
-		return
-	}
-	out, err := exec.Command("scripts/pg-private", "stop", p.dir).CombinedOutput()
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "stop private PostgreSQL: %v\n%s", err, out)
-	}
-	os.RemoveAll(p.dir)
-}
+// testPG is the run's PostgreSQL.
+var testPG = pgtest.New(".")
 
 // baseDSN returns the DSN of the run's PostgreSQL, starting a private cluster on first use.
-func baseDSN(t testing.TB) string {
-	t.Helper()
-	testPG.once.Do(func() {
-		if dsn := os.Getenv("PEPSI_TEST_DSN"); dsn != "" {
-			testPG.dsn = dsn
-			return
-		}
-		dir, err := os.MkdirTemp("", "pepsi-test-pg-")
-		if err != nil {
-			testPG.err = fmt.Errorf("make cluster directory: %w", err)
-			return
-		}
-		os.Chmod(dir, 0o755) // the cluster runs as another account when we are root
-		testPG.dir = dir
-		out, err := exec.Command("scripts/pg-private", "start", dir).Output()
-		if err != nil {
-			testPG.err = fmt.Errorf("start private PostgreSQL in %s: %w", dir, err)
-			return
-		}
-		testPG.dsn = strings.TrimSpace(string(out))
-	})
-	if testPG.err != nil {
-		t.Fatal(testPG.err)
-	}
-	return testPG.dsn
-}
-
-var schemaNameUnsafe = regexp.MustCompile(`[^a-z0-9_]+`)
+func baseDSN(t testing.TB) string { return testPG.DSN(t) }
 
 // testSchema is one test's private copy of schema.sql: its own schema in the run's database,
 // so tests are independent (the single-instance lock is per schema too).
@@ -130,44 +63,7 @@ type testSchema struct {
 // newTestSchema creates a fresh schema for t, applies schema.sql in it and drops it after t.
 func newTestSchema(t testing.TB) *testSchema {
 	t.Helper()
-	base := baseDSN(t)
-	name := strings.ToLower(t.Name())
-	name = schemaNameUnsafe.ReplaceAllString(name, "_")
-	if len(name) > 40 {
-		name = name[:40]
-	}
-	name = fmt.Sprintf("t_%s_%06d", name, rand.IntN(1000000))
-	admin, err := sql.Open("postgres", base)
-	if err != nil {
-		t.Fatalf("open %s: %v", base, err)
-	}
-	defer admin.Close()
-	if _, err := admin.Exec("CREATE SCHEMA " + name); err != nil {
-		t.Fatalf("create schema %s: %v", name, err)
-	}
-	dsn := fmt.Sprintf("%s options='-c search_path=%s'", base, name)
-	db, err := sql.Open("postgres", dsn)
-	if err != nil {
-		t.Fatalf("open %s: %v", dsn, err)
-	}
-	ddl, err := os.ReadFile("schema.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := db.Exec(string(ddl)); err != nil {
-		t.Fatalf("apply schema.sql in %s: %v", name, err)
-	}
-	t.Cleanup(func() {
-		db.Close()
-		admin, err := sql.Open("postgres", base)
-		if err != nil {
-			return
-		}
-		defer admin.Close()
-		if _, err := admin.Exec("DROP SCHEMA " + name + " CASCADE"); err != nil {
-			t.Logf("drop schema %s: %v", name, err)
-		}
-	})
+	name, dsn, db := testPG.Schema(t, "t")
 	return &testSchema{Name: name, DSN: dsn, DB: db}
 }
 

@@ -13,16 +13,16 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"os"
 	"os/exec"
-	"regexp"
 	"runtime"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"pepsi-dispatch/internal/pgtest"
 )
 
 // waitTimeout bounds every wait of the tests; nothing waits on time otherwise.
@@ -39,78 +39,15 @@ func TestMain(m *testing.M) {
 	}
 	before := runtime.NumGoroutine()
 	code := m.Run()
-	testPG.stop()
+	testPG.Stop()
 	if code == 0 {
-		code = checkGoroutineLeaks(before)
+		code = pgtest.CheckGoroutineLeaks(before)
 	}
 	os.Exit(code)
 }
 
-// checkGoroutineLeaks fails the run when goroutines started by tests outlive them. They end
-// asynchronously after Close, so it waits a little for them to settle.
-func checkGoroutineLeaks(before int) int {
-	deadline := time.Now().Add(5 * time.Second)
-	for runtime.NumGoroutine() > before+2 { // +2: the signal handler and lib/pq's idle timers
-		if time.Now().After(deadline) {
-			buf := make([]byte, 1<<20)
-			n := runtime.Stack(buf, true)
-			fmt.Fprintf(os.Stderr, "goroutine leak: %d before tests, %d after\n%s\n",
-				before, runtime.NumGoroutine(), buf[:n])
-			return 1
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return 0
-}
-
-// testPG is the run's PostgreSQL.
-var testPG privatePG
-
-type privatePG struct {
-	once sync.Once
-	dsn  string
-	dir  string // private cluster directory, "" with PEPSI_TEST_DSN
-	err  error
-}
-
-func (p *privatePG) stop() {
-	if p.dir == "" {
-		return
-	}
-	if out, err := exec.Command("../scripts/pg-private", "stop", p.dir).CombinedOutput(); err != nil {
-		fmt.Fprintf(os.Stderr, "stop private PostgreSQL: %v\n%s", err, out)
-	}
-	os.RemoveAll(p.dir)
-}
-
-func baseDSN(t testing.TB) string {
-	t.Helper()
-	testPG.once.Do(func() {
-		if dsn := os.Getenv("PEPSI_TEST_DSN"); dsn != "" {
-			testPG.dsn = dsn
-			return
-		}
-		dir, err := os.MkdirTemp("", "pepsi-sdk-pg-")
-		if err != nil {
-			testPG.err = fmt.Errorf("make cluster directory: %w", err)
-			return
-		}
-		os.Chmod(dir, 0o755) // as root the cluster runs as another account
-		testPG.dir = dir
-		out, err := exec.Command("../scripts/pg-private", "start", dir).Output()
-		if err != nil {
-			testPG.err = fmt.Errorf("start private PostgreSQL in %s: %w", dir, err)
-			return
-		}
-		testPG.dsn = strings.TrimSpace(string(out))
-	})
-	if testPG.err != nil {
-		t.Fatal(testPG.err)
-	}
-	return testPG.dsn
-}
-
-var unsafeName = regexp.MustCompile(`[^a-z0-9_]+`)
+// testPG is the run's PostgreSQL (internal/pgtest: shared with the daemon's tests).
+var testPG = pgtest.New("..")
 
 // schema is one test's copy of schema.sql.
 type schema struct {
@@ -121,50 +58,11 @@ type schema struct {
 
 func newSchema(t *testing.T) *schema {
 	t.Helper()
-	base := baseDSN(t)
-	name := unsafeName.ReplaceAllString(strings.ToLower(t.Name()), "_")
-	if len(name) > 30 {
-		name = name[:30]
-	}
-	name = fmt.Sprintf("sdk_%s_%06d", name, rand.IntN(1000000))
-	admin, err := sql.Open("postgres", base)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admin.Close()
-	if _, err := admin.Exec("CREATE SCHEMA " + name); err != nil {
-		t.Fatalf("create schema %s: %v", name, err)
-	}
-	t.Cleanup(func() {
-		admin, err := sql.Open("postgres", base)
-		if err != nil {
-			return
-		}
-		defer admin.Close()
-		if _, err := admin.Exec("DROP SCHEMA " + name + " CASCADE"); err != nil {
-			t.Logf("drop schema %s: %v", name, err)
-		}
-	})
+	name, dsn, db := testPG.Schema(t, "sdk")
 	sch := &schema{
 		name: name,
-		dsn:  fmt.Sprintf("%s options='-c search_path=%s' application_name=pepsi-%s", base, name, name),
-	}
-	sch.db, err = sql.Open("postgres", fmt.Sprintf("%s options='-c search_path=%s'", base, name))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { sch.db.Close() })
-	for _, f := range []string{"../schema.sql", "../fanin.sql"} {
-		ddl, err := os.ReadFile(f)
-		if errors.Is(err, os.ErrNotExist) && f == "../fanin.sql" {
-			continue // developed beside schema.sql, merged into it before it lands
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := sch.db.Exec(string(ddl)); err != nil {
-			t.Fatalf("apply %s in %s: %v", f, name, err)
-		}
+		dsn:  fmt.Sprintf("%s application_name=pepsi-%s", dsn, name),
+		db:   db,
 	}
 	sch.exec(t, `CREATE TABLE side (id bigint PRIMARY KEY, note text)`)
 	return sch
@@ -243,34 +141,10 @@ type serving struct {
 }
 
 // serve starts Serve for stage "a" with NEXT "b c" and stops it at the end of the test.
+// (Serve is ServeStages with the one handler: serveFused does the work.)
 func serve(t *testing.T, sch *schema, h Handler) *serving {
 	t.Helper()
-	inR, inW := io.Pipe()
-	sv := &serving{in: inW, out: newRecorder(), done: make(chan error, 1)}
-	sessCh := make(chan *session, 1)
-	cfg := Config{Stage: "a", Next: []string{"b", "c"}, DSN: sch.dsn,
-		hooks: &testHooks{session: func(s *session) { sessCh <- s }}}
-	go func() {
-		err := Serve(context.Background(), cfg, inR, sv.out, h)
-		inR.CloseWithError(errors.New("serve returned")) // a writer blocked on in fails rather than hangs
-		sv.done <- err
-	}()
-	select {
-	case sv.sess = <-sessCh:
-	case err := <-sv.done:
-		t.Fatalf("serve ended before connecting: %v", err)
-	case <-time.After(waitTimeout):
-		t.Fatal("timed out waiting for serve to connect")
-	}
-	t.Cleanup(func() {
-		inW.Close()
-		select {
-		case <-sv.done:
-		case <-time.After(waitTimeout):
-			t.Error("timed out waiting for serve to end")
-		}
-	})
-	return sv
+	return serveFused(t, sch, Config{Stage: "a", Next: []string{"b", "c"}}, map[string]Handler{"a": h})
 }
 
 // send writes ids to Serve's stdin in one write.
