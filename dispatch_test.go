@@ -565,3 +565,43 @@ func TestDSNWith(t *testing.T) {
 		t.Errorf("quoting: %q", got)
 	}
 }
+
+// TestClaimPlanStaleStatistics: a queue table's statistics are always stale. Analyzed while
+// nearly empty, then filled by a burst with a long claimed prefix, the claim must still pick
+// through the partial pending index and update through the primary key, in a custom and in a
+// generic (prepared, reused) plan alike.
+func TestClaimPlanStaleStatistics(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `INSERT INTO workqueue (stage) SELECT 'a' FROM generate_series(1, 10)`)
+	s.exec(t, `VACUUM ANALYZE workqueue`)
+	s.exec(t, `INSERT INTO workqueue (stage) SELECT 'a' FROM generate_series(1, 20000)`)
+	s.exec(t, `UPDATE workqueue SET status = 'done' WHERE workqueue_id < 8000`)
+	conn := openLockConn(t, s)
+	ctx := context.Background()
+	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+		if _, err := conn.ExecContext(ctx, "SET plan_cache_mode = "+mode); err != nil {
+			t.Fatal(err)
+		}
+		rows, err := conn.QueryContext(ctx, "EXPLAIN (ANALYZE, COSTS OFF) "+claimSQL, pq.Array([]string{"a"}), pq.Array([]int64{256}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var plan strings.Builder
+		for rows.Next() {
+			var line string
+			rows.Scan(&line)
+			plan.WriteString(line + "\n")
+		}
+		rows.Close()
+		p := plan.String()
+		if !strings.Contains(p, "Index Only Scan using workqueue_pending") && !strings.Contains(p, "Index Scan using workqueue_pending") {
+			t.Errorf("%s: the pick does not use the partial pending index:\n%s", mode, p)
+		}
+		if !strings.Contains(p, "Index Scan using workqueue_pkey on workqueue q") {
+			t.Errorf("%s: the update does not find its rows by primary key:\n%s", mode, p)
+		}
+		if strings.Contains(p, "Rows Removed by Filter: 7") {
+			t.Errorf("%s: the claim walks past the done prefix:\n%s", mode, p)
+		}
+	}
+}
