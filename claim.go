@@ -30,13 +30,14 @@ import (
 //     index yields that order. With stage = c.stage the planner treats stage as a constant,
 //     drops it from the order, and with stale statistics walks the primary key past every
 //     claimed or done row (17 ms after 8,000 done rows and growing, against 1.9 ms).
-//   - The UPDATE's status test is written as coalesce(status, '') = 'pending', which the
+//   - The UPDATE's status test is written as coalesce(status, ”) = 'pending', which the
 //     partial index's predicate cannot match: with stale statistics the planner would scan
 //     all pending rows through it and filter by id (218 ms with 20,000 pending). It still
 //     re-checks the row under READ COMMITTED, so a row changed by someone else between the
 //     pick and the update (an operator, say) is skipped, not overwritten.
 //   - The inbox test reads the first inbox id through its primary key rather than EXISTS,
 //     which scans the heap and its dead rows until autovacuum has run.
+//
 // The final row of the result (workqueue_id NULL) carries the earliest paused retry_at and
 // whether the fan-in inbox holds unapplied events (for writers the coordinator cannot hear).
 const claimSQL = `
