@@ -30,7 +30,7 @@ import (
 //     index yields that order. With stage = c.stage the planner treats stage as a constant,
 //     drops it from the order, and with stale statistics walks the primary key past every
 //     claimed or done row (17 ms after 8,000 done rows and growing, against 1.9 ms).
-//   - The UPDATE's status test is written as coalesce(status, ”) = 'pending', which the
+//   - The UPDATE's status test is wrapped in coalesce() (see the SQL), which the
 //     partial index's predicate cannot match: with stale statistics the planner would scan
 //     all pending rows through it and filter by id (218 ms with 20,000 pending). It still
 //     re-checks the row under READ COMMITTED, so a row changed by someone else between the
