@@ -773,8 +773,10 @@ func (c *coordinator) onTimers() {
 		}
 		switch key.kind {
 		case timerHeartbeat:
+			// One statement per POLL_INTERVAL when idle: the claim also returns the earliest
+			// paused row's due time, and the retry timer (set from it) flips due rows.
 			c.log.Debug("heartbeat")
-			c.claimWanted, c.retryWanted = true, true
+			c.claimWanted = true
 			c.timers.schedule(key, now.Add(c.cfg.Dispatch.PollInterval))
 		case timerRetry:
 			c.retryWanted = true

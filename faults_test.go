@@ -497,3 +497,25 @@ func TestPoisonMessageDoesNotHoldForever(t *testing.T) {
 	d.waitLog("failing it as a crash", time.Second)
 	d.stop()
 }
+
+// TestDeferHonoured: a row the stage itself paused (a defer) is returned to pending when due,
+// from the due time the claim reports: POLL_INTERVAL is long here, so no heartbeat helps.
+func TestDeferHonoured(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	conf := strings.Replace(baseConf(s, ""), "POLL_INTERVAL = 1", "POLL_INTERVAL = 60", 1)
+	d := startDaemon(t, conf+stageConf(t, "a", "", ""), "pipeline")
+	start := time.Now()
+	id := insertOne(t, s, "a", `{"defer_at": "a", "defer_ms": 700}`)
+	waitFor(t, 30*time.Second, "deferred message done", func() bool { return row(t, s, id).status == "done" })
+	if took := time.Since(start); took < 700*time.Millisecond || took > 10*time.Second {
+		t.Errorf("a 700 ms defer finished after %v", took)
+	}
+	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, id); n != 2 {
+		t.Errorf("the stage ran %d times, want 2 (defer, then done)", n)
+	}
+	if r := row(t, s, id); r.attempts != 0 || r.reason != "" {
+		t.Errorf("a defer was counted as a failure: %+v", r)
+	}
+	d.stop()
+}
