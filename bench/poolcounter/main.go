@@ -1,0 +1,495 @@
+// Command poolcounter is the load test of pepsi-dispatch's PoolCounter lock service against
+// Debian's poolcounterd 1.1.3 (issue 5). It is a program, not a unit test.
+//
+// Owns: nothing of the daemon; it builds the daemon from the repository (go build -o), starts
+// both servers itself on 127.0.0.1 (each pinned with taskset to the same CPU list), sends
+// bounded load (in cycles and in time) to 127.0.0.1 only, stops both servers and prints one
+// table.
+//
+// A cycle is ACQ4ME + RELEASE, each waiting for its reply. Modes:
+//
+//	distinct  N persistent connections, each on its own key
+//	hot       N persistent connections on one key (workers 1: every cycle is a handoff)
+//	churn     N concurrent clients, each cycle on a new connection (connect, ACQ4ME, RELEASE,
+//	          close), as MediaWiki and Thumbor do
+//
+// Placement: both servers run under `taskset -c -server-cpus` (default CPU 0, so our daemon
+// gets GOMAXPROCS=1 like the single-threaded reference); this generator re-executes itself
+// under `taskset -c -client-cpus` (default CPU 1). poolcounterd gets its listening socket as
+// fd 0, made here exactly as it makes its own (no SO_REUSEADDR, backlog 20); ours opens its own
+// through its configuration (backlog = net.core.somaxconn).
+//
+// Each case is measured -rounds times per server, alternating which server goes first, and the
+// round with the median throughput is shown: the box may be shared, and outside load should
+// fall on both servers alike.
+//
+// Usage (from the bench module): go run ./poolcounter [-duration 2s] [-rounds 3] [-conns 1,16,256]
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// pinnedEnv marks the re-executed, pinned generator.
+const pinnedEnv = "PC_BENCH_PINNED"
+
+type options struct {
+	repo, daemon, poolcounterd string
+	serverCPUs, clientCPUs     string
+	duration                   time.Duration
+	rounds                     int
+	maxCycles                  int64
+	conns                      []int
+	modes                      []string
+}
+
+func main() {
+	os.Exit(run())
+}
+
+func run() int {
+	var o options
+	var conns, modes string
+	flag.StringVar(&o.repo, "repo", "..", "pepsi-dispatch source directory to build the daemon from")
+	flag.StringVar(&o.daemon, "daemon", "", "use this pepsi-dispatch binary instead of building one")
+	flag.StringVar(&o.poolcounterd, "poolcounterd", "poolcounterd", "reference server binary")
+	flag.StringVar(&o.serverCPUs, "server-cpus", "0", "taskset CPU list for both servers (empty: no pinning)")
+	flag.StringVar(&o.clientCPUs, "client-cpus", "1", "taskset CPU list for this load generator (empty: no pinning)")
+	flag.DurationVar(&o.duration, "duration", 2*time.Second, "length of one measurement")
+	flag.IntVar(&o.rounds, "rounds", 3, "measurements per server and case, alternating servers; the median is shown")
+	flag.Int64Var(&o.maxCycles, "max-cycles", 2_000_000, "cycle budget of one measurement")
+	flag.StringVar(&conns, "conns", "1,16,256", "connection counts")
+	flag.StringVar(&modes, "modes", "distinct,hot,churn", "modes")
+	flag.Parse()
+	for _, s := range strings.Split(conns, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(s))
+		if err != nil || n < 1 || n > 4096 {
+			fmt.Fprintf(os.Stderr, "bad -conns value %q\n", s)
+			return 2
+		}
+		o.conns = append(o.conns, n)
+	}
+	for _, m := range strings.Split(modes, ",") {
+		if m = strings.TrimSpace(m); m != "distinct" && m != "hot" && m != "churn" {
+			fmt.Fprintf(os.Stderr, "bad -modes value %q\n", m)
+			return 2
+		}
+		o.modes = append(o.modes, strings.TrimSpace(m))
+	}
+	if o.duration <= 0 || o.duration > 5*time.Minute || o.maxCycles < 1 || o.rounds < 1 || o.rounds > 15 {
+		fmt.Fprintln(os.Stderr, "-duration must be in (0, 5m], -max-cycles positive, -rounds in 1..15")
+		return 2
+	}
+
+	if o.clientCPUs != "" && os.Getenv(pinnedEnv) == "" {
+		return reexecPinned(o.clientCPUs)
+	}
+	if err := bench(o); err != nil {
+		fmt.Fprintln(os.Stderr, "poolcounter bench:", err)
+		return 1
+	}
+	return 0
+}
+
+// reexecPinned runs this program again under taskset so the generator's threads stay off the
+// servers' CPUs.
+func reexecPinned(cpus string) int {
+	self, err := os.Executable()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "find own executable:", err)
+		return 1
+	}
+	cmd := exec.Command("taskset", append([]string{"-c", cpus, self}, os.Args[1:]...)...)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	cmd.Env = append(os.Environ(), pinnedEnv+"=1")
+	if err := cmd.Run(); err != nil {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			return ee.ExitCode()
+		}
+		fmt.Fprintln(os.Stderr, "run pinned generator:", err)
+		return 1
+	}
+	return 0
+}
+
+func bench(o options) error {
+	tmp, err := os.MkdirTemp("", "pcbench")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(tmp)
+
+	daemon := o.daemon
+	if daemon == "" {
+		daemon = filepath.Join(tmp, "pepsi-dispatch")
+		build := exec.Command("go", "build", "-o", daemon, ".")
+		build.Dir = o.repo
+		build.Stdout, build.Stderr = os.Stderr, os.Stderr
+		if err := build.Run(); err != nil {
+			return fmt.Errorf("build the daemon in %s: %w", o.repo, err)
+		}
+	}
+	refPath, err := exec.LookPath(o.poolcounterd)
+	if err != nil {
+		return fmt.Errorf("find poolcounterd (apt-get install poolcounter): %w", err)
+	}
+
+	ours, err := startOurs(daemon, tmp, o.serverCPUs)
+	if err != nil {
+		return err
+	}
+	defer ours.stop()
+	ref, err := startReference(refPath, o.serverCPUs)
+	if err != nil {
+		return err
+	}
+	defer ref.stop()
+
+	fmt.Printf("servers pinned to CPUs %q, generator to %q; %v or %d cycles per measurement; median of %d alternating rounds\n",
+		o.serverCPUs, o.clientCPUs, o.duration, o.maxCycles, o.rounds)
+	const row = "%-8s %5s %10s %10s %6s | %8s %8s %8s | %8s %8s %8s | %6s %7s\n"
+	fmt.Printf(row, "mode", "conns", "pepsi c/s", "ref c/s", "ratio", "p50", "p99", "max", "ref p50", "ref p99", "ref max", "p99 r", "errors")
+	for _, mode := range o.modes {
+		for _, n := range o.conns {
+			// Alternate which server goes first, so that load from outside the benchmark
+			// (other processes on a shared box) falls on both alike; keep the median round.
+			var as, bs []result
+			for round := 0; round < o.rounds; round++ {
+				for _, first := range []bool{round%2 == 0, round%2 != 0} {
+					if first {
+						a, err := measure(ours.addr, mode, n, o.duration, o.maxCycles)
+						if err != nil {
+							return fmt.Errorf("pepsi %s %d: %w", mode, n, err)
+						}
+						as = append(as, a)
+					} else {
+						b, err := measure(ref.addr, mode, n, o.duration, o.maxCycles)
+						if err != nil {
+							return fmt.Errorf("poolcounterd %s %d: %w", mode, n, err)
+						}
+						bs = append(bs, b)
+					}
+				}
+			}
+			a, b := median(as), median(bs)
+			fmt.Printf(row, mode, strconv.Itoa(n),
+				fmt.Sprintf("%.0f", a.rate()), fmt.Sprintf("%.0f", b.rate()), fmt.Sprintf("%.2f", a.rate()/b.rate()),
+				fmtDur(a.pct(50)), fmtDur(a.pct(99)), fmtDur(a.pct(100)),
+				fmtDur(b.pct(50)), fmtDur(b.pct(99)), fmtDur(b.pct(100)),
+				fmt.Sprintf("%.2f", float64(a.pct(99))/float64(b.pct(99))), fmt.Sprintf("%d/%d", a.errors, b.errors))
+		}
+	}
+	fmt.Println("ratio = pepsi/poolcounterd cycles per second (higher is better); p99 r = pepsi/poolcounterd p99 (lower is better)")
+	if err := ours.stop(); err != nil {
+		return fmt.Errorf("pepsi-dispatch: %w", err)
+	}
+	return ref.stop()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Servers
+
+type server struct {
+	name string
+	addr string
+	cmd  *exec.Cmd
+	once sync.Once
+	err  error
+}
+
+// stop sends SIGTERM and waits; both servers exit 0 on it.
+func (s *server) stop() error {
+	s.once.Do(func() {
+		s.cmd.Process.Signal(syscall.SIGTERM) //nolint:errcheck // Wait reports the outcome
+		done := make(chan error, 1)
+		go func() { done <- s.cmd.Wait() }()
+		t := time.NewTimer(10 * time.Second)
+		defer t.Stop()
+		select {
+		case s.err = <-done:
+		case <-t.C:
+			s.cmd.Process.Kill() //nolint:errcheck // it did not stop in time
+			s.err = fmt.Errorf("%s did not exit 10 s after SIGTERM", s.name)
+			<-done
+		}
+	})
+	return s.err
+}
+
+func pinned(cpus string, argv ...string) *exec.Cmd {
+	if cpus == "" {
+		return exec.Command(argv[0], argv[1:]...)
+	}
+	return exec.Command("taskset", append([]string{"-c", cpus}, argv...)...)
+}
+
+// startOurs runs `pepsi-dispatch -c FILE serve` with only the lock service configured.
+func startOurs(bin, dir, cpus string) (*server, error) {
+	port, err := freePort()
+	if err != nil {
+		return nil, err
+	}
+	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
+	conf := "[poolcounter]\nLISTEN = " + addr + "\n"
+	if os.Geteuid() == 0 {
+		// The daemon refuses to keep root; as root, run it as nobody.
+		conf = "[pepsi-dispatch]\nUSER = nobody\n" + conf
+	}
+	path := filepath.Join(dir, "pepsi-dispatch.conf")
+	if err := os.WriteFile(path, []byte(conf), 0o644); err != nil {
+		return nil, err
+	}
+	cmd := pinned(cpus, bin, "-c", path, "serve")
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", bin, err)
+	}
+	s := &server{name: "pepsi-dispatch", addr: addr, cmd: cmd}
+	if err := waitListening(addr); err != nil {
+		s.stop() //nolint:errcheck // already failing
+		return nil, err
+	}
+	return s, nil
+}
+
+// startReference runs poolcounterd on a listening socket made like its own (backlog 20, no
+// SO_REUSEADDR) and handed over as fd 0, so it needs no fixed port.
+func startReference(bin, cpus string) (*server, error) {
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("reference socket: %w", err)
+	}
+	f := os.NewFile(uintptr(fd), "poolcounterd-listener")
+	defer f.Close() // the child keeps its copy
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		return nil, fmt.Errorf("reference bind: %w", err)
+	}
+	if err := syscall.Listen(fd, 20); err != nil { // BACKLOG in client_data.h
+		return nil, fmt.Errorf("reference listen: %w", err)
+	}
+	sa, err := syscall.Getsockname(fd)
+	if err != nil {
+		return nil, err
+	}
+	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(sa.(*syscall.SockaddrInet4).Port))
+	cmd := pinned(cpus, bin)
+	cmd.Stdin = f
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", bin, err)
+	}
+	return &server{name: "poolcounterd", addr: addr, cmd: cmd}, nil
+}
+
+func freePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+// waitListening polls until addr accepts a connection that answers STATS UPTIME.
+func waitListening(addr string) error {
+	deadline := time.Now().Add(15 * time.Second)
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		conn, err := net.DialTimeout("tcp", addr, time.Second)
+		if err == nil {
+			conn.SetDeadline(time.Now().Add(2 * time.Second)) //nolint:errcheck // the read fails if not applied
+			_, err = io.WriteString(conn, "STATS UPTIME\n")
+			if err == nil {
+				var line string
+				line, err = bufio.NewReader(conn).ReadString('\n')
+				if err == nil && !strings.HasPrefix(line, "uptime: ") {
+					err = fmt.Errorf("unexpected reply %q", line)
+				}
+			}
+			conn.Close()
+			if err == nil {
+				return nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s not answering after 15 s: %w", addr, err)
+		}
+		<-tick.C
+	}
+}
+
+// ---------------------------------------------------------------------------------------------
+// Load
+
+type result struct {
+	cycles  int64
+	elapsed time.Duration
+	lat     []time.Duration // sorted
+	errors  int64
+}
+
+func (r result) rate() float64 { return float64(r.cycles) / r.elapsed.Seconds() }
+
+func (r result) pct(p int) time.Duration {
+	if len(r.lat) == 0 {
+		return 0
+	}
+	i := (len(r.lat)*p + 99) / 100
+	return r.lat[min(max(i-1, 0), len(r.lat)-1)]
+}
+
+// median returns the round with the median throughput.
+func median(rs []result) result {
+	slices.SortFunc(rs, func(x, y result) int {
+		switch {
+		case x.rate() < y.rate():
+			return -1
+		case x.rate() > y.rate():
+			return 1
+		}
+		return 0
+	})
+	return rs[len(rs)/2]
+}
+
+func fmtDur(d time.Duration) string {
+	switch {
+	case d >= time.Second:
+		return fmt.Sprintf("%.2fs", d.Seconds())
+	case d >= time.Millisecond:
+		return fmt.Sprintf("%.2fms", float64(d)/1e6)
+	default:
+		return fmt.Sprintf("%dµs", d.Microseconds())
+	}
+}
+
+// client is one line-protocol connection.
+type client struct {
+	conn net.Conn
+	r    *bufio.Reader
+}
+
+func dial(addr string) (*client, error) {
+	conn, err := net.DialTimeout("tcp", addr, 10*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	return &client{conn: conn, r: bufio.NewReaderSize(conn, 256)}, nil
+}
+
+// call sends one request and checks its reply.
+func (c *client) call(req, want string) error {
+	if _, err := io.WriteString(c.conn, req); err != nil {
+		return err
+	}
+	line, err := c.r.ReadSlice('\n')
+	if err != nil {
+		return err
+	}
+	if string(line) != want {
+		return fmt.Errorf("%q: got %q, want %q", strings.TrimSpace(req), line, want)
+	}
+	return nil
+}
+
+// measure runs n workers of one mode until the duration or the cycle budget is used up.
+func measure(addr, mode string, n int, d time.Duration, maxCycles int64) (result, error) {
+	var budget atomic.Int64
+	budget.Store(maxCycles)
+	var errs atomic.Int64
+	lats := make([][]time.Duration, n)
+	clients := make([]*client, n)
+	if mode != "churn" {
+		for i := range clients {
+			c, err := dial(addr)
+			if err != nil {
+				return result{}, err
+			}
+			defer c.conn.Close()
+			clients[i] = c
+		}
+	}
+	start := make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var wg sync.WaitGroup
+	var firstErr error
+	var errOnce sync.Once
+	fail := func(err error) {
+		errs.Add(1)
+		errOnce.Do(func() { firstErr = err; cancel() })
+	}
+	for i := 0; i < n; i++ {
+		key := fmt.Sprintf("bench-%s-%d", mode, i)
+		acq := "ACQ4ME " + key + " 1 10 10\n"
+		if mode == "hot" {
+			acq = fmt.Sprintf("ACQ4ME bench-hot 1 %d 10\n", n+1)
+		}
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			lat := make([]time.Duration, 0, 1024)
+			<-start
+			deadline := time.Now().Add(d)
+			for ctx.Err() == nil && time.Now().Before(deadline) && budget.Add(-1) >= 0 {
+				t0 := time.Now()
+				c := clients[i]
+				if mode == "churn" {
+					var err error
+					if c, err = dial(addr); err != nil {
+						fail(err)
+						break
+					}
+				}
+				c.conn.SetDeadline(t0.Add(30 * time.Second)) //nolint:errcheck // a failed set shows up as a timeout
+				err := c.call(acq, "LOCKED\n")
+				if err == nil {
+					err = c.call("RELEASE\n", "RELEASED\n")
+				}
+				if mode == "churn" {
+					c.conn.Close()
+				}
+				if err != nil {
+					fail(err)
+					break
+				}
+				lat = append(lat, time.Since(t0))
+			}
+			lats[i] = lat
+		}(i)
+	}
+	t0 := time.Now()
+	close(start)
+	wg.Wait()
+	r := result{elapsed: time.Since(t0), errors: errs.Load()}
+	for _, l := range lats {
+		r.lat = append(r.lat, l...)
+	}
+	r.cycles = int64(len(r.lat))
+	slices.Sort(r.lat)
+	if firstErr != nil && r.cycles == 0 {
+		return r, firstErr
+	}
+	if firstErr != nil {
+		fmt.Fprintf(os.Stderr, "%s %s %d: %d errors, first: %v\n", addr, mode, n, r.errors, firstErr)
+	}
+	return r, nil
+}
