@@ -94,13 +94,13 @@ func (m *Message) Split(ctx context.Context, continuation, childStage string, pa
 // RangeOpts are the choices of SplitRange. The zero value is equal-width slices with the
 // defaults of fanin.md.
 type RangeOpts struct {
-	// MaxChildren caps the number of children: the split stage's MAX_CHILDREN. 0 means
-	// MaxChildrenDefault.
+	// MaxChildren caps the number of children. 0 means the split stage's MAX_CHILDREN
+	// (Config.MaxChildren, from PEPSI_MAX_CHILDREN), else MaxChildrenDefault.
 	MaxChildren int
 
 	// MinSpan is the narrowest slice: every child gets at least MinSpan ids of the range (or,
 	// with IDQuery, at least MinSpan rows), unless the whole range has fewer and there is one
-	// child. The split stage's MIN_SPAN; 0 means MinSpanDefault.
+	// child. 0 means the split stage's MIN_SPAN (Config.MinSpan), else MinSpanDefault.
 	MinSpan int64
 
 	// IDQuery, when set, cuts the range into slices holding equal numbers of rows rather than
@@ -131,9 +131,16 @@ func (m *Message) SplitRange(ctx context.Context, continuation, childStage strin
 	if err := m.checkSplit(what, continuation, childStage); err != nil {
 		return err
 	}
+	// 0 means the stage's configuration (MAX_CHILDREN, MIN_SPAN), then fanin.md's defaults.
 	maxChildren, minSpan := opts.MaxChildren, opts.MinSpan
 	if maxChildren == 0 {
+		maxChildren = m.srv.cfg.MaxChildren
+	}
+	if maxChildren == 0 {
 		maxChildren = MaxChildrenDefault
+	}
+	if minSpan == 0 {
+		minSpan = m.srv.cfg.MinSpan
 	}
 	if minSpan == 0 {
 		minSpan = MinSpanDefault

@@ -577,3 +577,37 @@ func TestFanoutPaginateEdges(t *testing.T) {
 	}
 	checkHitOnce(t, sch)
 }
+
+// TestFanoutSplitRangeStageLimits: RangeOpts left at 0 take the split stage's MAX_CHILDREN and
+// MIN_SPAN, which the dispatcher passes as PEPSI_MAX_CHILDREN and PEPSI_MIN_SPAN.
+func TestFanoutSplitRangeStageLimits(t *testing.T) {
+	env := map[string]string{"PEPSI_STAGE": "a", "PEPSI_DSN": "host=/x", "PEPSI_MAX_CHILDREN": "3", "PEPSI_MIN_SPAN": "10"}
+	cfg, err := loadConfig([]string{"worker"}, func(k string) string { return env[k] })
+	if err != nil || cfg.MaxChildren != 3 || cfg.MinSpan != 10 {
+		t.Fatalf("loadConfig: %+v, %v", cfg, err)
+	}
+	env["PEPSI_MIN_SPAN"] = "-1"
+	if _, err := loadConfig([]string{"worker"}, func(k string) string { return env[k] }); err == nil || !strings.Contains(err.Error(), "PEPSI_MIN_SPAN") {
+		t.Errorf("bad PEPSI_MIN_SPAN accepted: %v", err)
+	}
+	sch := newSchema(t)
+	wide := sch.put(t, "a", "running", `{}`)
+	narrow := sch.put(t, "a", "running", `{}`)
+	sv := serveFused(t, sch, Config{Stage: "a", Next: []string{"b", "c"}, MaxChildren: 3, MinSpan: 10},
+		map[string]Handler{"a": func(ctx context.Context, m *Message) error {
+			if m.ID == wide {
+				return m.SplitRange(ctx, "c", "kid", 1, 1000, RangeOpts{}) // capped at 3 children
+			}
+			return m.SplitRange(ctx, "c", "kid", 1, 25, RangeOpts{}) // 25 ids, slices of ≥ 10: 2
+		}})
+	sv.send(t, wide, narrow)
+	if r := sv.replies(t, 2); strings.Join(r, ",") != "0,0" {
+		t.Fatalf("replies %q", r)
+	}
+	for parent, want := range map[int64]int{wide: 3, narrow: 2} {
+		n := sch.int(t, `SELECT count(*) FROM workqueue w JOIN fanout f ON f.fanout_id = w.fanout_id WHERE f.parent_id = $1`, parent)
+		if n != want {
+			t.Errorf("parent %d: %d children, want %d", parent, n, want)
+		}
+	}
+}

@@ -99,6 +99,12 @@ type Config struct {
 	// stage programs that keep settings of their own in the shared file.
 	ConfigFile string
 
+	// MaxChildren and MinSpan are the stage's MAX_CHILDREN and MIN_SPAN (PEPSI_MAX_CHILDREN,
+	// PEPSI_MIN_SPAN): SplitRange's defaults when its RangeOpts leave them 0. 0 here means
+	// the defaults of fanin.md (MaxChildrenDefault, MinSpanDefault).
+	MaxChildren int
+	MinSpan     int64
+
 	// Fuse lists the stages that may run in the pass of a message of Stage (stage fusion,
 	// PEPSI_FUSE): every FUSE = yes stage reachable from Stage through NEXT links to FUSE = yes
 	// stages, mapped to its own NEXT list (empty for a final stage). A program serving several
@@ -198,6 +204,21 @@ func loadConfig(args []string, getenv func(string) string) (Config, error) {
 		Next:       strings.Fields(getenv("PEPSI_NEXT")),
 		DSN:        getenv("PEPSI_DSN"),
 		ConfigFile: *file,
+	}
+	for _, v := range []struct {
+		name string
+		set  func(int64)
+	}{
+		{"PEPSI_MAX_CHILDREN", func(n int64) { cfg.MaxChildren = int(n) }},
+		{"PEPSI_MIN_SPAN", func(n int64) { cfg.MinSpan = n }},
+	} {
+		if text := getenv(v.name); text != "" {
+			n, err := strconv.ParseInt(text, 10, 32)
+			if err != nil || n < 1 {
+				return Config{}, fmt.Errorf("read environment: %s = %q: want a positive whole number", v.name, text)
+			}
+			v.set(n)
+		}
 	}
 	if cfg.DSN == "" {
 		return Config{}, errors.New("read environment: PEPSI_DSN is not set (a stage is started by pepsi-dispatch)")
