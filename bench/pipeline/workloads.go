@@ -406,6 +406,7 @@ type latencyResult struct {
 	Start     []float64 // sorted
 	Done      []float64 // sorted
 	CPUPerSec float64   // ms of CPU per second of the run: the system and PostgreSQL, idle time included
+	OtherPct  float64   // CPU of processes outside the benchmark and PostgreSQL meanwhile, % of the machine
 	Err       string
 }
 
@@ -429,9 +430,9 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 		if l.Err != "" {
 			logf("  %s %d/s %-14s FAILED: %s", wl, rate, s.name, l.Err)
 		} else {
-			logf("  %s %d/s %-14s %d sent; start p50 %.2f p99 %.2f max %.2f ms; done p50 %.2f p99 %.2f max %.2f ms",
+			logf("  %s %d/s %-14s %d sent; start p50 %.2f p99 %.2f max %.2f ms; done p50 %.2f p99 %.2f max %.2f ms  other load %.0f%%",
 				wl, rate, s.name, l.Sent, pct(l.Start, 50), pct(l.Start, 99), pct(l.Start, 100),
-				pct(l.Done, 50), pct(l.Done, 99), pct(l.Done, 100))
+				pct(l.Done, 50), pct(l.Done, 99), pct(l.Done, 100), l.OtherPct)
 		}
 	}()
 	fail := func(err error) latencyResult {
@@ -534,6 +535,7 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 	if m.Seconds > 0 {
 		l.CPUPerSec = (m.SelfMS + m.ChildMS + m.PGMS) / m.Seconds
 	}
+	l.OtherPct = m.OtherPct
 	if err := p.stop(); err != nil {
 		logf("  %s: stop: %v (see %s)", s.name, err, p.logPath)
 	}
