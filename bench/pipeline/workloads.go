@@ -825,11 +825,12 @@ func pickAccess(plan string) string {
 			continue
 		}
 		m := planRowsRe.FindStringSubmatch(line)
-		if m == nil {
+		removed := removedBelow(lines, i)
+		if m == nil || removed == 0 {
 			return ""
 		}
 		return fmt.Sprintf("its pick of pending rows walked `workqueue_pkey` and filtered: %s rows removed by the filter to find %s pending ones",
-			groupThousands(fmt.Sprint(removedBelow(lines, i))), m[1])
+			groupThousands(fmt.Sprint(removed)), m[1])
 	}
 	return ""
 }
