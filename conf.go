@@ -54,8 +54,8 @@ type Config struct {
 	Stages      map[string]*StageConfig
 	PoolCounter PoolCounterConfig
 
-	// file keeps the file's [stage-*] entries so that a reload can merge a new overlay
-	// over the same file without re-reading it (a reload re-reads it: see loadStages).
+	// stageEntries are the file's [stage-*] entries, over which the config table's overlay
+	// is applied (buildStages); a reload reads the file again for fresh ones.
 	stageEntries []iniEntry
 }
 

@@ -279,10 +279,16 @@ func (c *coordinator) writeOutcomes() bool {
 			c.dbTrouble("record failures", err)
 			return false
 		}
+		groups := map[int64]int64{} // failed message -> its fan-out group, for the hints
+		for _, f := range c.failures {
+			if f.m.fanout != 0 {
+				groups[f.m.id] = f.m.fanout
+			}
+		}
 		for _, o := range out {
 			if o.status == "failed" {
 				c.stats.Global.Failed++
-				if g := fanoutOf(c.failures, o.id); g != 0 {
+				if g := groups[o.id]; g != 0 {
 					c.fanin.hint(g) // our own terminal write of a child
 				}
 			} else {
@@ -322,16 +328,6 @@ func (c *coordinator) dbTrouble(what string, err error) {
 	c.log.Warn("database refused a statement; will retry", "op", what, "err", err, "retry_in", d.Round(time.Millisecond))
 	c.dbWaiting = true
 	c.timers.schedule(timerKey{kind: timerDB}, time.Now().Add(d))
-}
-
-// fanoutOf returns the group of the failed message id, 0 if it is not a fan-out child.
-func fanoutOf(fs []failure, id int64) int64 {
-	for _, f := range fs {
-		if f.m.id == id {
-			return f.m.fanout
-		}
-	}
-	return 0
 }
 
 // pingLock checks the lock connection, without letting a hung server hold the loop.
@@ -1023,5 +1019,8 @@ func readOverlay(ctx context.Context, conn *sql.Conn) ([]overlayRow, error) {
 		}
 		out = append(out, r)
 	}
-	return out, rows.Err()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read config table: %w", err)
+	}
+	return out, nil
 }

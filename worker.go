@@ -315,7 +315,7 @@ type reply struct {
 	text   string // reason on failure; outcome words on success
 }
 
-// replyStatusMax bounds the status number: nine digits always fit an int, and no program
+// replyStatusDigits bounds the status number: nine digits always fit an int, and no program
 // needs more to say "failed".
 const replyStatusDigits = 9
 
