@@ -38,8 +38,12 @@ import (
 //   - The inbox test reads the first inbox id through its primary key rather than EXISTS,
 //     which scans the heap and its dead rows until autovacuum has run.
 //
-// The final row of the result (workqueue_id NULL) carries the earliest paused retry_at and
-// whether the fan-in inbox holds unapplied events (for writers the coordinator cannot hear).
+// After the claimed rows come, for the open fan-out groups of the claimed children, one row
+// each with the group's remaining children as its counters say (workqueue_id NULL, fanout_id
+// set): the wake rule's "may this group be complete?" needs it, and without it the first
+// completion of every group would cost a flush. The final row (workqueue_id and fanout_id
+// NULL) carries the earliest paused retry_at and whether the fan-in inbox holds unapplied
+// events (for writers the coordinator cannot hear).
 const claimSQL = `
 WITH claimed AS (
     UPDATE workqueue q
@@ -55,17 +59,23 @@ WITH claimed AS (
        AND coalesce(q.status, '') = 'pending'
     RETURNING q.workqueue_id, q.stage, q.claim, q.attempts, q.fanout_id
 )
-SELECT workqueue_id, stage, claim, attempts, fanout_id, NULL::timestamptz, NULL::boolean FROM claimed
+SELECT workqueue_id, stage, claim, attempts, fanout_id, NULL::int, NULL::timestamptz, NULL::boolean FROM claimed
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused'),
+SELECT NULL, NULL, NULL, NULL, f.fanout_id, f.expected_n - f.done_n - f.failed_n, NULL, NULL
+  FROM fanout f
+ WHERE f.fanout_id = ANY (ARRAY(SELECT DISTINCT fanout_id FROM claimed WHERE fanout_id IS NOT NULL))
+   AND f.state = 'open'
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused'),
        (SELECT id FROM fanin_event ORDER BY id LIMIT 1) IS NOT NULL`
 
 // claimResult is what one claim returned.
 type claimResult struct {
 	byStage   map[string][]*message // claimed rows per stage, in id order
 	total     int
-	nextRetry time.Time // earliest paused row's due time; zero if none
-	inbox     bool      // the fan-in inbox is not empty
+	nextRetry time.Time     // earliest paused row's due time; zero if none
+	inbox     bool          // the fan-in inbox is not empty
+	remaining map[int64]int // open groups of the claimed children: remaining children per the counters
 }
 
 // claimer runs the claim statement on the lock connection, prepared once per connection.
@@ -106,12 +116,19 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 	}
 	defer rows.Close()
 	for rows.Next() {
-		var id, claim, attempts, fanout sql.NullInt64
+		var id, claim, attempts, fanout, remaining sql.NullInt64
 		var stage sql.NullString
 		var next sql.NullTime
 		var inbox sql.NullBool
-		if err := rows.Scan(&id, &stage, &claim, &attempts, &fanout, &next, &inbox); err != nil {
+		if err := rows.Scan(&id, &stage, &claim, &attempts, &fanout, &remaining, &next, &inbox); err != nil {
 			return res, fmt.Errorf("claim: read row: %w", err)
+		}
+		if !id.Valid && fanout.Valid {
+			if res.remaining == nil {
+				res.remaining = map[int64]int{}
+			}
+			res.remaining[fanout.Int64] = int(remaining.Int64)
+			continue
 		}
 		if !id.Valid {
 			if next.Valid {

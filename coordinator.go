@@ -48,8 +48,8 @@ type coordinator struct {
 	hups   <-chan os.Signal        // SIGHUP: reload the stage graph, as config_changed does
 
 	ctx    context.Context // lives until the workers' goroutines are done sending
-	wg     *sync.WaitGroup // the workers' goroutines
-	events chan any        // workerReplies and workerExit
+	wg     *sync.WaitGroup // the workers' goroutines and a background fan-in flush
+	events chan any        // workerReplies, workerExit, faninFlushed
 
 	timers *timerHeap
 	timer  *time.Timer
@@ -162,7 +162,7 @@ func (c *coordinator) loop() error {
 			c.abort()
 			return c.fatal
 		}
-		if c.shutdown && len(c.workers) == 0 {
+		if c.shutdown && len(c.workers) == 0 && !c.fanin.busy {
 			c.finish()
 			return nil
 		}
@@ -213,6 +213,8 @@ func (c *coordinator) handle(ev any) {
 		c.onReplies(ev)
 	case workerExit:
 		c.onExit(ev)
+	case faninFlushed:
+		c.onFlushed(ev)
 	default:
 		panic(fmt.Sprintf("coordinator: unknown event %T", ev)) // our own tables disagree
 	}
@@ -235,10 +237,7 @@ func (c *coordinator) settle() {
 		}
 	}
 	if due, at := c.fanin.due(time.Now()); due {
-		if err := c.faninFlush(); err != nil {
-			c.dbTrouble("fan-in flush", err)
-			return
-		}
+		c.startFlush()
 	} else if !at.IsZero() {
 		c.timers.scheduleEarlier(timerKey{kind: timerFanin}, at)
 	}
@@ -372,6 +371,7 @@ func (c *coordinator) claim() {
 	c.dbBackoff.reset()
 	c.scheduleRetry(res.nextRetry)
 	c.fanin.inbox = res.inbox
+	c.fanin.learn(res.remaining)
 	c.backlog = false
 	if res.total == 0 {
 		return

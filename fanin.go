@@ -37,6 +37,12 @@ const (
 	// sweepNextPage: the pause between pages of one sweep pass, so a pass over many groups
 	// never monopolises the loop.
 	sweepNextPage = 100 * time.Millisecond
+
+	// faninMinGap: flushes start at least this far apart. A burst of completions then costs
+	// a few large flushes instead of one small flush per completing group (a flush has a
+	// fixed cost of about a millisecond of PostgreSQL's time); an idle pipeline's first
+	// completion still flushes at once.
+	faninMinGap = 50 * time.Millisecond
 )
 
 // faninCounters are the fan-in statistics (dispatch_stats columns of the same names).
@@ -65,7 +71,9 @@ type fanin struct {
 	hints      int            // hints since the last flush
 	hinted     map[int64]int  // hints per group since the last flush
 	remaining  map[int64]int  // remaining children per open group, as of the last flush that saw it
-	lastFlush  time.Time      // the last flush attempt
+	lastFlush  time.Time      // the start of the last flush
+	busy       bool           // a flush is running in the background
+	failures   int            // consecutive failed flushes, for the log
 	inbox      bool           // the last claim saw unapplied events
 	sweepAfter int64          // the sweep's keyset cursor; 0 = start of a pass
 	failpoint  string         // PEPSI_FAILPOINT, "" in production
@@ -96,20 +104,38 @@ func (f *fanin) hint(g int64) {
 	f.hinted[g]++
 }
 
-// due reports whether a flush should run now, and if not, when (zero: no hint pending).
-func (f *fanin) due(now time.Time) (bool, time.Time) {
-	if f.hints == 0 && !f.inbox {
-		return false, time.Time{}
-	}
-	if f.hints >= f.minHints {
-		return true, now
-	}
-	for g, n := range f.hinted {
-		if r, ok := f.remaining[g]; !ok || r <= n {
-			return true, now // unknown or possibly complete: variant 4's "few remain" path
+// learn takes the remaining children of groups as the claim read them from their counters.
+// Counters lag the children, so both these and what a flush reported are at least the true
+// remaining count (barring requeues, which only make a flush come early): the smaller is the
+// better estimate.
+func (f *fanin) learn(remaining map[int64]int) {
+	for g, r := range remaining {
+		if old, ok := f.remaining[g]; !ok || r < old {
+			f.remaining[g] = r
 		}
 	}
+}
+
+// due reports whether a flush should run now, and if not, when (zero: no hint pending).
+// While a flush runs, nothing is due: its result is an event, after which this is asked again.
+func (f *fanin) due(now time.Time) (bool, time.Time) {
+	if f.busy || f.hints == 0 && !f.inbox {
+		return false, time.Time{}
+	}
 	at := f.lastFlush.Add(f.maxDelay)
+	if f.hints >= f.minHints {
+		at = now
+	} else {
+		for g, n := range f.hinted {
+			if r, ok := f.remaining[g]; !ok || r <= n {
+				at = now // unknown or possibly complete: variant 4's "few remain" path
+				break
+			}
+		}
+	}
+	if gap := f.lastFlush.Add(faninMinGap); at.Before(gap) {
+		at = gap
+	}
 	return !now.Before(at), at
 }
 
@@ -120,22 +146,68 @@ type flushResult struct {
 	openRemaining                                 []int64
 }
 
+// faninFlushed is the event a flush in the background sends back to the coordinator: the
+// results of its statements (all of them, also when a later one failed) and the error that
+// ended it, if any.
+type faninFlushed struct {
+	results []flushResult
+	took    time.Duration
+	err     error
+}
+
 // flushSQL is one flush. A failpoint between the statement and its commit needs an explicit
 // transaction; in production the statement commits on its own (one round trip).
 const flushSQL = `SELECT events, groups_fired, parents_woken, late_events, quarantined, open_ids, open_remaining
                     FROM fanin_flush($1)`
 
-// flush applies the inbox until it is empty (or a batch comes back short).
-func (c *coordinator) faninFlush() error {
+// startFlush runs a flush in the background, on a connection of the pool, and returns at
+// once: the coordinator goes on claiming and reading replies while PostgreSQL applies the
+// inbox, and handles the result as an event (onFlushed). One flush at a time, and the
+// coordinator is still the inbox's only consumer (I1). The hints are taken now: a hint that
+// arrives meanwhile may be for an event this flush's snapshot does not see, so it counts
+// towards the next flush.
+func (c *coordinator) startFlush() {
 	f := c.fanin
+	f.busy = true
+	f.lastFlush = time.Now()
+	f.hints = 0
+	f.inbox = false
+	clear(f.hinted)
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		ev := c.runFlush(c.ctx, c.db)
+		select {
+		case c.events <- ev:
+		case <-c.ctx.Done():
+		}
+	}()
+}
+
+// runFlush applies the inbox until it is empty (or a batch comes back short). It touches no
+// coordinator state: it runs on the flush goroutine, and at start-up on the coordinator's.
+func (c *coordinator) runFlush(ctx context.Context, db *sql.DB) faninFlushed {
 	start := time.Now()
-	f.lastFlush = start
+	var ev faninFlushed
 	for {
 		var r flushResult
-		err := c.faninFlushOnce(&r)
-		if err != nil {
-			return err
+		if ev.err = c.fanin.flushOnce(ctx, db, &r); ev.err != nil {
+			break
 		}
+		ev.results = append(ev.results, r)
+		if r.events < c.fanin.batch {
+			break
+		}
+	}
+	ev.took = time.Since(start)
+	return ev
+}
+
+// onFlushed takes a flush's results into the coordinator's state.
+func (c *coordinator) onFlushed(ev faninFlushed) {
+	f := c.fanin
+	f.busy = false
+	for _, r := range ev.results {
 		f.stats.Flushes++
 		f.stats.Events += int64(r.events)
 		f.stats.Wakes += int64(r.woken)
@@ -153,40 +225,49 @@ func (c *coordinator) faninFlush() error {
 			c.claimWanted = true // the woken parents are pending at their continuation stage
 			c.log.Debug("fan-in: parents woken", "parents", r.woken, "groups_fired", r.groupsFired)
 		}
-		if r.events < f.batch {
-			break
-		}
 	}
-	f.stats.FlushMs += time.Since(start).Milliseconds()
-	f.hints = 0
-	f.inbox = false
-	clear(f.hinted)
+	f.stats.FlushMs += ev.took.Milliseconds()
 	// Forget groups not hinted for a long time: remaining is only a shortcut for the wake
 	// rule, and a group we know nothing about is flushed at its next hint anyway.
 	if len(f.remaining) > 100000 {
 		clear(f.remaining)
 	}
-	return nil
+	if ev.err != nil {
+		// The events stay in the inbox. Try again after FANIN_MAX_DELAY; a database that is
+		// gone is the claim's business (it holds the lock connection).
+		f.inbox = true
+		if f.failures++; f.failures == 1 || isPowerOfTen(f.failures) {
+			c.log.Warn("fan-in flush failed; the inbox is kept and flushed again", "err", ev.err,
+				"failures", f.failures, "retry_in", f.maxDelay)
+		}
+		return
+	}
+	if f.failures > 0 {
+		c.log.Info("fan-in flush works again", "failures_before", f.failures)
+		f.failures = 0
+	}
 }
 
-func (c *coordinator) faninFlushOnce(r *flushResult) error {
-	f := c.fanin
+// flushOnce runs one fanin_flush statement on a connection of db.
+func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, r *flushResult) error {
+	ctx, cancel := context.WithTimeout(ctx, dbStatementBudget)
+	defer cancel()
 	scan := func(row *sql.Row) error {
 		return row.Scan(&r.events, &r.groupsFired, &r.woken, &r.late, &r.quarantined,
 			pq.Array(&r.openIDs), pq.Array(&r.openRemaining))
 	}
 	if f.failpoint == "" {
-		if err := scan(c.inst.conn.QueryRowContext(c.ctx, flushSQL, f.batch)); err != nil {
+		if err := scan(db.QueryRowContext(ctx, flushSQL, f.batch)); err != nil {
 			return fmt.Errorf("fan-in flush: %w", err)
 		}
 		return nil
 	}
-	tx, err := c.inst.conn.BeginTx(c.ctx, nil)
+	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("fan-in flush: begin: %w", err)
 	}
 	defer tx.Rollback() // a no-op after Commit
-	if err := scan(tx.QueryRowContext(c.ctx, flushSQL, f.batch)); err != nil {
+	if err := scan(tx.QueryRowContext(ctx, flushSQL, f.batch)); err != nil {
 		return fmt.Errorf("fan-in flush: %w", err)
 	}
 	if r.events > 0 {
@@ -204,8 +285,10 @@ func (c *coordinator) faninFlushOnce(r *flushResult) error {
 // faninStartup empties the inbox and fires groups that are already complete: after a crash,
 // evidence may be waiting that nobody will hint about.
 func (c *coordinator) faninStartup() error {
-	if err := c.faninFlush(); err != nil {
-		return err
+	ev := c.runFlush(c.ctx, c.db)
+	c.onFlushed(ev)
+	if ev.err != nil {
+		return ev.err
 	}
 	c.fanin.hit("fanin-fire-ready")
 	var fired, woken int
