@@ -441,6 +441,8 @@ func TestFaninDaemonEndToEnd(t *testing.T) {
 		t.Errorf("dispatch_stats.fanin_wakes = %d, want 5", w)
 	}
 	if e, c := faninStat(t, s, "fanin_events"), s.count(t, `SELECT count(*) FROM workqueue WHERE fanout_id IS NOT NULL`); e != c {
+		// The test stage writes in each child's transaction, so each outcome is a statement
+		// of its own, and each inbox row one child's.
 		t.Errorf("dispatch_stats.fanin_events = %d, want one per child (%d)", e, c)
 	}
 	for _, col := range []string{"fanin_late_events", "fanin_sweep_repaired", "fanin_quarantined"} {
@@ -448,6 +450,39 @@ func TestFaninDaemonEndToEnd(t *testing.T) {
 			t.Errorf("dispatch_stats.%s = %d, want 0", col, n)
 		}
 	}
+}
+
+// TestFaninDaemonFlushFails: while the flush statement fails (here: its function is renamed
+// away), the evidence stays in the inbox, the parent waits, and the dispatcher says so and
+// goes on dispatching; once the flush works again, the parent is woken once.
+func TestFaninDaemonFlushFails(t *testing.T) {
+	s := faninSetup(t)
+	d := faninStart(t, faninConf(t, s, "", "PARALLELISM = 2\nQUEUE_LIMIT = 8"), "fanin")
+	faninWarmUp(t, s)
+	s.exec(t, `ALTER FUNCTION fanin_flush(int) RENAME TO fanin_flush_away`)
+	ids := faninParents(t, s, `{"n": 3}`)
+	waitFor(t, 30*time.Second, "the three children done", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue w JOIN fanout f USING (fanout_id)
+		    WHERE f.parent_id = $1 AND w.status = 'done'`, ids[0]) == 3
+	})
+	d.waitLog("fan-in flush failed", 30*time.Second)
+	if _, status := faninRowStatus(t, s, ids[0]); status != "waiting" {
+		t.Fatalf("parent %s while the flush fails, want waiting", status)
+	}
+	// Plain work goes on meanwhile.
+	plain := faninParents(t, s, `{"n": 0}`)
+	waitFor(t, 30*time.Second, "an empty split continued while the flush fails", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND stage = 'join' AND status = 'done'`, plain[0]) == 1
+	})
+	if n := s.count(t, `SELECT count(*) FROM fanin_event`); n == 0 {
+		t.Fatal("the inbox is empty while the flush fails")
+	}
+	s.exec(t, `ALTER FUNCTION fanin_flush_away(int) RENAME TO fanin_flush`)
+	faninWaitJoined(t, s, ids, 30*time.Second)
+	d.waitLog("fan-in flush works again", 30*time.Second)
+	faninExpectJoin(t, s, ids[0], 3, 0)
+	faninCheckQuiescent(t, s)
+	d.stop()
 }
 
 // TestFaninDaemonMixedOutcomes (T3): some children exhaust MAX_ATTEMPTS and fail; the parent
