@@ -236,7 +236,7 @@ func (c *coordinator) settle() {
 			return
 		}
 	}
-	if due, at := c.fanin.due(time.Now()); due {
+	if due, at := c.fanin.due(time.Now(), c.inflightAll); due {
 		c.startFlush()
 	} else if !at.IsZero() {
 		c.timers.scheduleEarlier(timerKey{kind: timerFanin}, at)

@@ -278,6 +278,60 @@ func openLockConn(t *testing.T, s *testSchema) *sql.Conn {
 	return conn
 }
 
+// TestFaninWakeRule checks when the coordinator flushes the fan-in inbox (fanin.go's due):
+// at once when a hinted group may be complete (at the soonest 10 ms after the previous flush
+// with fewer than 100 messages in flight, 50 ms with more), after FANIN_MIN_HINTS hints
+// (50 ms), else FANIN_MAX_DELAY after the last flush; never while a flush runs.
+func TestFaninWakeRule(t *testing.T) {
+	t0 := time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC)
+	ms := func(n int) time.Time { return t0.Add(time.Duration(n) * time.Millisecond) }
+	cases := []struct {
+		what      string
+		lastFlush time.Time
+		busy      bool
+		inflight  int
+		inbox     bool
+		remaining map[int64]int // as the claims and flushes reported
+		hinted    map[int64]int
+		now       time.Time
+		due       bool
+		at        time.Time // zero: nothing pending
+	}{
+		{what: "nothing hinted", lastFlush: ms(0), now: ms(1000)},
+		{what: "a flush is running", lastFlush: ms(0), busy: true, hinted: map[int64]int{1: 1}, now: ms(1000)},
+		{what: "unknown group", lastFlush: ms(0), hinted: map[int64]int{1: 1}, now: ms(1000), due: true, at: ms(1000)},
+		{what: "unknown group, right after a flush", lastFlush: ms(0), hinted: map[int64]int{1: 1}, now: ms(4), at: ms(10)},
+		{what: "unknown group, right after a flush, busy", lastFlush: ms(0), inflight: 500, hinted: map[int64]int{1: 1}, now: ms(4), at: ms(50)},
+		{what: "group may be complete", lastFlush: ms(0), remaining: map[int64]int{1: 3}, hinted: map[int64]int{1: 3}, now: ms(500), due: true, at: ms(500)},
+		{what: "group not complete: coalesce", lastFlush: ms(0), remaining: map[int64]int{1: 5}, hinted: map[int64]int{1: 2}, now: ms(100), at: ms(250)},
+		{what: "group not complete, delay over", lastFlush: ms(0), remaining: map[int64]int{1: 5}, hinted: map[int64]int{1: 2}, now: ms(250), due: true, at: ms(250)},
+		{what: "enough hints, soon after a flush", lastFlush: ms(0), remaining: map[int64]int{1: 500}, hinted: map[int64]int{1: 100}, now: ms(20), at: ms(50)},
+		{what: "enough hints", lastFlush: ms(0), remaining: map[int64]int{1: 500}, hinted: map[int64]int{1: 100}, now: ms(60), due: true, at: ms(60)},
+		{what: "the claim saw unapplied events", lastFlush: ms(0), inbox: true, now: ms(100), at: ms(250)},
+	}
+	for _, c := range cases {
+		f := newFanin(DispatchConfig{FaninBatch: 10000, FaninMaxDelay: 250 * time.Millisecond, FaninMinHints: 100}, &faninCounters{})
+		f.lastFlush, f.busy, f.inbox = c.lastFlush, c.busy, c.inbox
+		f.learn(c.remaining)
+		for g, n := range c.hinted {
+			for range n {
+				f.hint(g)
+			}
+		}
+		due, at := f.due(c.now, c.inflight)
+		if due != c.due || !at.Equal(c.at) {
+			t.Errorf("%s: due %v at +%v, want %v at +%v", c.what, due, at.Sub(t0), c.due, c.at.Sub(t0))
+		}
+	}
+	// learn keeps the smaller estimate: counters only lag the children.
+	f := newFanin(DispatchConfig{}, &faninCounters{})
+	f.learn(map[int64]int{1: 10, 2: 4})
+	f.learn(map[int64]int{1: 7, 2: 9})
+	if f.remaining[1] != 7 || f.remaining[2] != 4 {
+		t.Errorf("learn: remaining %v, want 1:7 2:4", f.remaining)
+	}
+}
+
 func TestClaimCapacityOrderAndUnknownStages(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, `INSERT INTO workqueue (stage) SELECT 'a' FROM generate_series(1, 10)`)
