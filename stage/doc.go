@@ -137,7 +137,7 @@
 //	for each id, in order: the handler, its own statements inside a SAVEPOINT of its own,
 //	  then the handlers of the fused stages its advance leads to, each in a lazy SAVEPOINT
 //	  of its own (nested in the message's savepoints opened before it)
-//	one UPDATE … FROM (VALUES …) RETURNING for the outcomes not written yet (below)
+//	one UPDATE … FROM unnest($ids, $stages, …) RETURNING for the outcomes not written yet (below)
 //	COMMIT
 //	then all the batch's status lines, in one write
 //
@@ -154,9 +154,11 @@
 // outcome of such a handler is kept, with the state as it was when chosen, and written after
 // the handler returned, together with the batch's other kept outcomes, in one statement that
 // keeps each row's guard (RETURNING tells which rows it found; the others fail as claim lost).
-// A batch of N messages whose handlers do not use Message.Tx thus costs 4 round trips (BEGIN,
-// the load, the outcome statement, COMMIT) instead of N + 3, fused stages included: their
-// outcome replaces the advance in that statement. A handler that does use it adds one round
+// A batch of N messages whose handlers do not use Message.Tx thus costs 5 round trips (BEGIN,
+// the load, the outcomes' SAVEPOINT, the outcome statement, prepared once per connection so
+// that PostgreSQL does not parse and plan it per batch, and COMMIT) instead of N + 3, fused
+// stages included: their outcome replaces the advance in that statement. A batch of one
+// message costs 4: its outcome UPDATE shares the SAVEPOINT's round trip. A handler that does use it adds one round
 // trip for the SAVEPOINT, its own statements, and its outcome's UPDATE, written at once inside
 // the savepoint. A fused stage's savepoint request also moves the running row to that stage
 // (UPDATE … SET stage = Y, attempts = 0 under the claim's guard), so that its handler, and the

@@ -550,8 +550,8 @@ func TestRoundTrips(t *testing.T) {
 	before := statements()
 	sv.send(t, ids...)
 	sv.replies(t, len(ids))
-	if got := statements() - before; got != 4 {
-		t.Errorf("batch of %d: %d requests, want 4", len(ids), got)
+	if got := statements() - before; got != 5 {
+		t.Errorf("batch of %d: %d requests, want 5 (BEGIN, load, SAVEPOINT, outcomes, COMMIT)", len(ids), got)
 	}
 	before = statements()
 	sv.send(t, touch)
