@@ -192,7 +192,7 @@ func (c *coordinator) startFlush() {
 	c.wg.Add(1)
 	go func() {
 		defer c.wg.Done()
-		ev := c.runFlush(c.ctx, c.db)
+		ev := f.runFlush(c.ctx, c.db)
 		select {
 		case c.events <- ev:
 		case <-c.ctx.Done():
@@ -200,18 +200,19 @@ func (c *coordinator) startFlush() {
 	}()
 }
 
-// runFlush applies the inbox until it is empty (or a batch comes back short). It touches no
-// coordinator state: it runs on the flush goroutine, and at start-up on the coordinator's.
-func (c *coordinator) runFlush(ctx context.Context, db *sql.DB) faninFlushed {
+// runFlush applies the inbox until it is empty (or a batch comes back short). It reads only
+// the settings fixed when f was made (batch, failpoint), so it may run on the flush goroutine
+// while the coordinator changes the rest of f; at start-up it runs on the coordinator's.
+func (f *fanin) runFlush(ctx context.Context, db *sql.DB) faninFlushed {
 	start := time.Now()
 	var ev faninFlushed
 	for {
 		var r flushResult
-		if ev.err = c.fanin.flushOnce(ctx, db, &r); ev.err != nil {
+		if ev.err = f.flushOnce(ctx, db, &r); ev.err != nil {
 			break
 		}
 		ev.results = append(ev.results, r)
-		if r.events < c.fanin.batch {
+		if r.events < f.batch {
 			break
 		}
 	}
@@ -264,7 +265,8 @@ func (c *coordinator) onFlushed(ev faninFlushed) {
 	}
 }
 
-// flushOnce runs one fanin_flush statement on a connection of db.
+// flushOnce runs one fanin_flush statement on a connection of db (see runFlush: fixed
+// settings only).
 func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, r *flushResult) error {
 	ctx, cancel := context.WithTimeout(ctx, dbStatementBudget)
 	defer cancel()
@@ -301,7 +303,7 @@ func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, r *flushResult) error
 // faninStartup empties the inbox and fires groups that are already complete: after a crash,
 // evidence may be waiting that nobody will hint about.
 func (c *coordinator) faninStartup() error {
-	ev := c.runFlush(c.ctx, c.db)
+	ev := c.fanin.runFlush(c.ctx, c.db)
 	c.onFlushed(ev)
 	if ev.err != nil {
 		return ev.err

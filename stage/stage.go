@@ -992,13 +992,6 @@ func queryIDs(ctx context.Context, st *sql.Stmt, args ...any) (map[int64]bool, e
 	return ids, rs.Err()
 }
 
-func literalOrNull(s string) string {
-	if s == "" {
-		return "NULL"
-	}
-	return pq.QuoteLiteral(s)
-}
-
 // callHandler runs the handler, turning a panic into a failure of the message.
 func (s *server) callHandler(ctx context.Context, m *Message) (err error) {
 	defer func() {
