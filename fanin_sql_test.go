@@ -189,6 +189,19 @@ func faninChildren(t testing.TB, s *testSchema, fid int64) []int64 {
 	return ids
 }
 
+// faninCheckIDRange checks the id range a split recorded for its group: from the first child
+// to the last, which the sweep's recount scans.
+func faninCheckIDRange(t testing.TB, s *testSchema, fid int64, kids []int64) {
+	t.Helper()
+	var lo, hi sql.NullInt64
+	if err := s.DB.QueryRow(`SELECT child_lo, child_hi FROM fanout WHERE fanout_id = $1`, fid).Scan(&lo, &hi); err != nil {
+		t.Fatal(err)
+	}
+	if !lo.Valid || !hi.Valid || lo.Int64 != slices.Min(kids) || hi.Int64 != slices.Max(kids) {
+		t.Fatalf("group %d: id range %v..%v, want %d..%d", fid, lo, hi, slices.Min(kids), slices.Max(kids))
+	}
+}
+
 // faninClaim plays the dispatcher's claim of pending rows.
 func faninClaim(t testing.TB, s *testSchema, ids []int64) {
 	t.Helper()
@@ -254,6 +267,9 @@ func checkFaninInvariants(t testing.TB, s *testSchema) {
 			                        count(*) FILTER (WHERE w.status = 'failed') AS x
 			                   FROM workqueue w WHERE w.fanout_id = f.fanout_id) t
 			  WHERE f.state = 'open' AND (f.done_n <> t.d OR f.failed_n <> t.x)`},
+		{"open groups' children lie in the group's id range (the sweep recounts only that)",
+			`SELECT DISTINCT f.fanout_id FROM fanout f JOIN workqueue w ON w.fanout_id = f.fanout_id
+			  WHERE f.state = 'open' AND (w.workqueue_id BETWEEN f.child_lo AND f.child_hi) IS NOT TRUE`},
 		{"open groups have expected_n children",
 			`SELECT f.fanout_id FROM fanout f WHERE f.state = 'open'
 			   AND f.expected_n <> (SELECT count(*) FROM workqueue w WHERE w.fanout_id = f.fanout_id)`},
@@ -295,13 +311,20 @@ func checkFaninInvariants(t testing.TB, s *testSchema) {
 func TestFaninAllDone(t *testing.T) {
 	s := newTestSchema(t)
 	for _, n := range []int{1, 3, 1000} {
-		for _, kind := range []string{"payloads", "range"} {
+		for _, kind := range []string{"payloads", "range", "bounds"} {
 			parent := faninParent(t, s, "split")
 			var fid int64
-			if kind == "payloads" {
+			switch kind {
+			case "payloads":
 				fid = faninSplitPayloads(t, s.DB, parent, n)
-			} else {
+			case "range":
 				fid = faninSplitRange(t, s.DB, parent, 1, int64(n), 10000, 1)
+			case "bounds":
+				err := s.DB.QueryRow(`SELECT fanout_split_bounds($1, 'split', 'cont', 'child',
+				    ARRAY(SELECT g * 10 FROM generate_series(0, $2) g))`, parent, n).Scan(&fid)
+				if err != nil {
+					t.Fatalf("n=%d bounds: %v", n, err)
+				}
 			}
 			if stage, status := faninRowStatus(t, s, parent); stage != "cont" || status != "waiting" {
 				t.Fatalf("n=%d %s: parent at %s/%s after the split, want cont/waiting", n, kind, stage, status)
@@ -313,6 +336,7 @@ func TestFaninAllDone(t *testing.T) {
 			if got := s.count(t, `SELECT count(*) FROM fanin_event`); got != 0 {
 				t.Fatalf("n=%d %s: split wrote %d inbox rows", n, kind, got)
 			}
+			faninCheckIDRange(t, s, fid, kids)
 			faninClaim(t, s, kids)
 			faninFinish(t, s, kids[:n-1], "done")
 			r := faninFlushAll(t, s, 10000)
@@ -335,8 +359,8 @@ func TestFaninAllDone(t *testing.T) {
 			}
 		}
 	}
-	if got := s.count(t, `SELECT count(*) FROM fanin_wake_log`); got != 6 {
-		t.Errorf("%d wake-log rows, want 6", got)
+	if got := s.count(t, `SELECT count(*) FROM fanin_wake_log`); got != 9 {
+		t.Errorf("%d wake-log rows, want 9", got)
 	}
 	checkFaninInvariants(t, s)
 }
@@ -708,63 +732,92 @@ func TestFaninConcurrentLastChildren(t *testing.T) {
 
 // --- T10: lost evidence, repaired by the sweep ------------------------------------------
 
+// The recount reads the children through the primary key over the group's id range, so it
+// runs with the range the split recorded ("exact"), with a range that also holds other rows,
+// done and failed, of other groups and of none (what concurrent inserts during a split make:
+// "wide"), and with no range at all (a group made by hand: "unknown").
 func TestFaninLostEvidence(t *testing.T) {
 	for _, how := range []string{"trigger disabled", "inbox row deleted"} {
-		t.Run(strings.ReplaceAll(how, " ", "_"), func(t *testing.T) {
-			s := newTestSchema(t)
-			parent := faninParent(t, s, "split")
-			fid := faninSplitPayloads(t, s.DB, parent, 3)
-			kids := faninChildren(t, s, fid)
-			faninClaim(t, s, kids)
-			faninFinish(t, s, kids[:2], "done")
-			switch how {
-			case "trigger disabled":
-				tx, err := s.DB.Begin()
-				if err != nil {
-					t.Fatal(err)
-				}
-				for _, q := range []string{
-					`ALTER TABLE workqueue DISABLE TRIGGER fanin_evt_upd`,
-					fmt.Sprintf(`UPDATE workqueue SET status = 'failed' WHERE workqueue_id = %d`, kids[2]),
-					`ALTER TABLE workqueue ENABLE TRIGGER fanin_evt_upd`,
-				} {
-					if _, err := tx.Exec(q); err != nil {
-						t.Fatalf("%s: %v", q, err)
-					}
-				}
-				if err := tx.Commit(); err != nil {
-					t.Fatal(err)
-				}
-			case "inbox row deleted":
-				faninFail(t, s, kids[2:], "boom")
-				s.exec(t, `DELETE FROM fanin_event WHERE child_id = $1`, kids[2])
-			}
-			if r := faninFlushAll(t, s, 10000); r.ParentsWoken != 0 {
-				t.Fatalf("flush woke without the evidence: %+v", r)
-			}
-			if state, _, done, failed := faninGroup(t, s, fid); state != "open" || done != 2 || failed != 0 {
-				t.Fatalf("group %s %d/%d before the sweep, want open 2/0", state, done, failed)
-			}
-			// Too young for the sweep: nothing examined.
-			if r := faninSweepPass(t, s, 500, "1 hour"); r.Examined != 0 || r.Repaired != 0 {
-				t.Fatalf("sweep of young groups: %+v", r)
-			}
-			r := faninSweepPass(t, s, 500, "0")
-			if r.Repaired != 1 || r.ParentsWoken != 1 || !slices.Equal(r.Woken, []int64{parent}) {
-				t.Fatalf("sweep: %+v, want repaired=1 and one wake", r)
-			}
-			if state, _, done, failed := faninGroup(t, s, fid); state != "fired" || done != 2 || failed != 1 {
-				t.Fatalf("group %s %d/%d after the sweep, want fired 2/1", state, done, failed)
-			}
-			if r := faninSweepPass(t, s, 500, "0"); r.Repaired != 0 || r.ParentsWoken != 0 {
-				t.Fatalf("second sweep: %+v", r)
-			}
-			if r := faninFlushAll(t, s, 10000); r.ParentsWoken != 0 {
-				t.Fatalf("flush after the sweep: %+v", r)
-			}
-			checkFaninInvariants(t, s)
-		})
+		for _, bounds := range []string{"exact", "wide", "unknown"} {
+			t.Run(strings.ReplaceAll(how, " ", "_")+"/"+bounds, func(t *testing.T) {
+				testFaninLostEvidence(t, how, bounds)
+			})
+		}
 	}
+}
+
+func testFaninLostEvidence(t *testing.T, how, bounds string) {
+	s := newTestSchema(t)
+	// Rows on both sides of the group: plain messages and a fired group's children,
+	// all terminal, which a recount must not count.
+	other := faninSplitPayloads(t, s.DB, faninParent(t, s, "split"), 2)
+	s.exec(t, `INSERT INTO workqueue (stage, status) VALUES ('zz', 'done'), ('zz', 'failed')`)
+	parent := faninParent(t, s, "split")
+	fid := faninSplitPayloads(t, s.DB, parent, 3)
+	s.exec(t, `INSERT INTO workqueue (stage, status) VALUES ('zz', 'done'), ('zz', 'failed')`)
+	otherKids := faninChildren(t, s, other)
+	faninClaim(t, s, otherKids)
+	faninFinish(t, s, otherKids[:1], "done")
+	faninFail(t, s, otherKids[1:], "other")
+	if r := faninFlushAll(t, s, 10000); r.GroupsFired != 1 {
+		t.Fatalf("the other group did not fire: %+v", r)
+	}
+	kids := faninChildren(t, s, fid)
+	faninCheckIDRange(t, s, fid, kids)
+	switch bounds {
+	case "wide":
+		s.exec(t, `UPDATE fanout SET child_lo = 0, child_hi = child_hi + 100 WHERE fanout_id = $1`, fid)
+	case "unknown":
+		s.exec(t, `UPDATE fanout SET child_lo = NULL, child_hi = NULL WHERE fanout_id = $1`, fid)
+	}
+	faninClaim(t, s, kids)
+	faninFinish(t, s, kids[:2], "done")
+	switch how {
+	case "trigger disabled":
+		tx, err := s.DB.Begin()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, q := range []string{
+			`ALTER TABLE workqueue DISABLE TRIGGER fanin_evt_upd`,
+			fmt.Sprintf(`UPDATE workqueue SET status = 'failed' WHERE workqueue_id = %d`, kids[2]),
+			`ALTER TABLE workqueue ENABLE TRIGGER fanin_evt_upd`,
+		} {
+			if _, err := tx.Exec(q); err != nil {
+				t.Fatalf("%s: %v", q, err)
+			}
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+	case "inbox row deleted":
+		faninFail(t, s, kids[2:], "boom")
+		s.exec(t, `DELETE FROM fanin_event WHERE child_id = $1`, kids[2])
+	}
+	if r := faninFlushAll(t, s, 10000); r.ParentsWoken != 0 {
+		t.Fatalf("flush woke without the evidence: %+v", r)
+	}
+	if state, _, done, failed := faninGroup(t, s, fid); state != "open" || done != 2 || failed != 0 {
+		t.Fatalf("group %s %d/%d before the sweep, want open 2/0", state, done, failed)
+	}
+	// Too young for the sweep: nothing examined.
+	if r := faninSweepPass(t, s, 500, "1 hour"); r.Examined != 0 || r.Repaired != 0 {
+		t.Fatalf("sweep of young groups: %+v", r)
+	}
+	r := faninSweepPass(t, s, 500, "0")
+	if r.Repaired != 1 || r.ParentsWoken != 1 || !slices.Equal(r.Woken, []int64{parent}) {
+		t.Fatalf("sweep: %+v, want repaired=1 and one wake", r)
+	}
+	if state, _, done, failed := faninGroup(t, s, fid); state != "fired" || done != 2 || failed != 1 {
+		t.Fatalf("group %s %d/%d after the sweep, want fired 2/1", state, done, failed)
+	}
+	if r := faninSweepPass(t, s, 500, "0"); r.Repaired != 0 || r.ParentsWoken != 0 {
+		t.Fatalf("second sweep: %+v", r)
+	}
+	if r := faninFlushAll(t, s, 10000); r.ParentsWoken != 0 {
+		t.Fatalf("flush after the sweep: %+v", r)
+	}
+	checkFaninInvariants(t, s)
 }
 
 // TestFaninFireReady: counters corrected out of band (here by fanin_recount, as the sweep
@@ -1708,4 +1761,65 @@ func TestFaninChildCursor(t *testing.T) {
 	if c := cursor(tk[0]); c.Valid {
 		t.Fatalf("cursor %v past int8 max, want NULL", c)
 	}
+}
+
+// TestFaninUpgradeIDRange re-applies schema.sql over the data of the version before groups
+// recorded their children's id range (no child_lo/child_hi, the workqueue_children index):
+// open groups get their range from the children rows, the old index goes, the sweep recounts
+// through the range, and applying the file once more changes nothing.
+func TestFaninUpgradeIDRange(t *testing.T) {
+	s := newTestSchema(t)
+	ddl, err := os.ReadFile("schema.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	openParent := faninParent(t, s, "split")
+	open := faninSplitPayloads(t, s.DB, openParent, 3)
+	s.exec(t, `INSERT INTO workqueue (stage, status) VALUES ('zz', 'done')`)
+	firedParent := faninParent(t, s, "split")
+	fired := faninSplitRange(t, s.DB, firedParent, 1, 20, 10, 1)
+	firedKids := faninChildren(t, s, fired)
+	faninClaim(t, s, firedKids)
+	faninFinish(t, s, firedKids, "done")
+	if r := faninFlushAll(t, s, 10000); r.GroupsFired != 1 {
+		t.Fatalf("flush: %+v, want the range group fired", r)
+	}
+	kids := faninChildren(t, s, open)
+	faninClaim(t, s, kids)
+	faninFinish(t, s, kids[:1], "done")
+	faninFlushAll(t, s, 10000)
+
+	// The earlier version's shape.
+	s.exec(t, `ALTER TABLE fanout DROP COLUMN child_lo, DROP COLUMN child_hi`)
+	s.exec(t, `DROP INDEX workqueue_failed_children`)
+	s.exec(t, `CREATE INDEX workqueue_children ON workqueue (fanout_id, status, fanout_seq)
+	    WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed')`)
+
+	for pass := 1; pass <= 2; pass++ {
+		if _, err := s.DB.Exec(string(ddl)); err != nil {
+			t.Fatalf("apply schema.sql over the earlier version (pass %d): %v", pass, err)
+		}
+		faninCheckIDRange(t, s, open, kids)
+		if n := s.count(t, `SELECT count(*) FROM fanout WHERE fanout_id = $1 AND child_lo IS NULL`, fired); n != 1 {
+			t.Errorf("pass %d: the fired group got an id range; only open groups need one", pass)
+		}
+		if n := s.count(t, `SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND indexname = 'workqueue_children'`, s.Name); n != 0 {
+			t.Errorf("pass %d: the workqueue_children index is still there", pass)
+		}
+		if n := s.count(t, `SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND indexname = 'workqueue_failed_children'`, s.Name); n != 1 {
+			t.Errorf("pass %d: no workqueue_failed_children index", pass)
+		}
+	}
+
+	// Evidence lost for the last two children: only the recount over the range finds them.
+	s.exec(t, `UPDATE workqueue SET status = 'done' WHERE workqueue_id = ANY ($1)`, pq.Array(kids[1:]))
+	s.exec(t, `DELETE FROM fanin_event WHERE fanout_id = $1`, open)
+	r := faninSweepPass(t, s, 500, "0")
+	if r.Repaired != 1 || !slices.Equal(r.Woken, []int64{openParent}) {
+		t.Fatalf("sweep after the upgrade: %+v, want one repair and %d woken", r, openParent)
+	}
+	if state, _, done, failed := faninGroup(t, s, open); state != "fired" || done != 3 || failed != 0 {
+		t.Fatalf("group %s %d/%d after the sweep, want fired 3/0", state, done, failed)
+	}
+	checkFaninInvariants(t, s)
 }
