@@ -302,6 +302,8 @@ func TestFaninWakeRule(t *testing.T) {
 		{what: "unknown group", lastFlush: ms(0), hinted: map[int64]int{1: 1}, now: ms(1000), due: true, at: ms(1000)},
 		{what: "unknown group, right after a flush", lastFlush: ms(0), hinted: map[int64]int{1: 1}, now: ms(4), at: ms(10)},
 		{what: "unknown group, right after a flush, busy", lastFlush: ms(0), inflight: 500, hinted: map[int64]int{1: 1}, now: ms(4), at: ms(50)},
+		{what: "group may be complete, right after a flush", lastFlush: ms(0), remaining: map[int64]int{1: 3}, hinted: map[int64]int{1: 3}, now: ms(4), at: ms(10)},
+		{what: "group may be complete, right after a flush, many status lines", lastFlush: ms(0), remaining: map[int64]int{1: 3, 2: 500}, hinted: map[int64]int{1: 3, 2: 97}, now: ms(4), at: ms(50)},
 		{what: "group may be complete", lastFlush: ms(0), remaining: map[int64]int{1: 3}, hinted: map[int64]int{1: 3}, now: ms(500), due: true, at: ms(500)},
 		{what: "group not complete: coalesce", lastFlush: ms(0), remaining: map[int64]int{1: 5}, hinted: map[int64]int{1: 2}, now: ms(100), at: ms(250)},
 		{what: "group not complete, delay over", lastFlush: ms(0), remaining: map[int64]int{1: 5}, hinted: map[int64]int{1: 2}, now: ms(250), due: true, at: ms(250)},

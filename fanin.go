@@ -41,15 +41,19 @@ const (
 	// faninMinGap: a flush starts at least this long after the previous one, so a burst of
 	// completions costs a few large flushes instead of many small ones (a flush costs ~0.5 ms
 	// of PostgreSQL's time, more with the wake-ups it causes). faninMinGapQuiet: the same
-	// for a flush because a group may be complete while fewer than faninQuietInflight
-	// messages are in flight: a parent waits on it and there is little to batch. Measured
-	// with faninbench: 10 ms for every "may be complete" flush gave an idle wake p50 of 3 ms
-	// but 112 flushes per 20,000 children under load (bookkeeping 15 %); 50 ms gave 27
-	// flushes (9 %) but an idle p50 of 28 ms, where one group follows another within tens of
-	// milliseconds.
+	// for a flush because a group may be complete while the pipeline is quiet (fewer than
+	// faninQuietInflight messages in flight and fewer than faninQuietHints children's status
+	// lines since the last flush): a parent waits on it and there is little to batch.
+	// Measured with faninbench: 10 ms for every "may be complete" flush gave an idle wake p50
+	// of 3 ms but 112 flushes per 20,000 children under load (bookkeeping 15 %); 50 ms gave
+	// 27 flushes (9 %) but an idle p50 of 28 ms, where one group follows another within tens
+	// of milliseconds. Quiet by the in-flight count alone still meant 13 flushes per 20,000
+	// children when a few workers with short queues keep up with the backlog (fewer than 100
+	// in flight, ~600 status lines per 10 ms); the hint count tells that load apart.
 	faninMinGap        = 50 * time.Millisecond
 	faninMinGapQuiet   = 10 * time.Millisecond
 	faninQuietInflight = 100
+	faninQuietHints    = 100
 )
 
 // faninCounters are the fan-in statistics (dispatch_stats columns of the same names).
@@ -134,7 +138,7 @@ func (f *fanin) due(now time.Time, inflight int) (bool, time.Time) {
 		if r, ok := f.remaining[g]; !ok || r <= n {
 			// Unknown or possibly complete: variant 4's "few remain" path.
 			gap := faninMinGap
-			if inflight < faninQuietInflight {
+			if inflight < faninQuietInflight && f.hints < faninQuietHints {
 				gap = faninMinGapQuiet
 			}
 			return f.notBefore(now, now, gap)
