@@ -72,7 +72,7 @@ var fullSizes = sizes{
 	runs: 3, w1Messages: 100_000,
 	w2Pending: 20_000, w2Warmup: 3 * time.Second, w2Measure: 30 * time.Second,
 	w3Rates: []int{20, 200}, w3Duration: map[int]time.Duration{20: 15 * time.Second, 200: 10 * time.Second},
-	w4Messages: 15_000, w4Rate: 20, w4Duration: 10 * time.Second,
+	w4Messages: 33_334, w4Rate: 20, w4Duration: 10 * time.Second,
 	w5Done: 1_000_000, w5Failed: 100_000, w5Messages: 100_000,
 	w6Warmup: 11 * time.Second, w6Idle: 60 * time.Second,
 	backlogLimit: 30 * time.Second, latencyLinger: 15 * time.Second, explainBudget: 10 * time.Second,
@@ -82,7 +82,7 @@ var quickSizes = sizes{
 	runs: 1, w1Messages: 10_000,
 	w2Pending: 20_000, w2Warmup: 2 * time.Second, w2Measure: 5 * time.Second,
 	w3Rates: []int{20, 200}, w3Duration: map[int]time.Duration{20: 4 * time.Second, 200: 3 * time.Second},
-	w4Messages: 3_000, w4Rate: 20, w4Duration: 4 * time.Second,
+	w4Messages: 3_334, w4Rate: 20, w4Duration: 4 * time.Second,
 	w5Done: 50_000, w5Failed: 5_000, w5Messages: 10_000,
 	w6Warmup: 3 * time.Second, w6Idle: 10 * time.Second,
 	backlogLimit: 6 * time.Second, latencyLinger: 10 * time.Second, explainBudget: 10 * time.Second,
@@ -139,12 +139,16 @@ func benchMain() int {
 	mm := flag.Int("pepsi-max-messages", pepsiMaxMessages, "MAX_MESSAGES of every pepsi stage")
 	rw := flag.Int("raw-workers", rawWorkersDefault, "goroutines of the raw loop")
 	rb := flag.Int("raw-batch", rawBatchDefault, "rows per claim of the raw loop")
+	w4 := flag.Int64("w4-messages", 0, "messages of the W4 backlog (default: the mode's size)")
 	flag.Parse()
 
 	b := &bench{quick: *quick, sz: fullSizes, started: time.Now(), dbs: map[string]*system{},
 		pepsiParallelism: *par, pepsiQueueLimit: *ql, pepsiMaxMessages: *mm, rawWorkers: *rw, rawBatch: *rb}
 	if *quick {
 		b.sz = quickSizes
+	}
+	if *w4 > 0 {
+		b.sz.w4Messages = *w4
 	}
 	if *runs > 0 {
 		b.sz.runs = *runs
@@ -220,7 +224,13 @@ func (b *bench) cleanup(keep bool) {
 	}
 }
 
-func (b *bench) want(w string) bool { return b.only == nil || b.only[w] }
+// want reports whether workload w runs; W4f is part of W4.
+func (b *bench) want(w string) bool {
+	if w == "W4f" {
+		w = "W4"
+	}
+	return b.only == nil || b.only[w]
+}
 
 func (b *bench) run(ctx context.Context, outPath, svgPath string) error {
 	var err error

@@ -178,10 +178,11 @@ func oneLineSQL(q string, n int) string {
 }
 
 var workloadTitles = map[string]string{
-	"W1": "W1 backlog (1 stage)",
-	"W2": "W2 continuous (1 stage)",
-	"W4": "W4 backlog (3 stages)",
-	"W5": "W5 big table (1 stage)",
+	"W1":  "W1 backlog (1 stage)",
+	"W2":  "W2 continuous (1 stage)",
+	"W4":  "W4 backlog (3 stages)",
+	"W4f": "W4f backlog (3 stages; pepsi's fused: FUSE = yes; the others' W4)",
+	"W5":  "W5 big table (1 stage)",
 }
 
 func (b *bench) sysLabel(name string) string {
@@ -223,20 +224,23 @@ func (b *bench) report(chartPath string) string {
 	p("Ratios are pepsi's throughput over the other system's: above 1 means pepsi is faster.\n\n")
 	p("| workload | pepsi-dispatch | River (tuned) | River (defaults) | raw loop | pepsi / River tuned | pepsi / River defaults | pepsi / raw |\n")
 	p("|---|--:|--:|--:|--:|--:|--:|--:|\n")
-	for _, wl := range []string{"W1", "W2", "W4", "W5"} {
+	for _, wl := range []string{"W1", "W2", "W4", "W4f", "W5"} {
 		if !b.want(wl) {
 			continue
 		}
 		s := map[string]summary{}
 		for _, sys := range []string{"pepsi", "river", "river-default", "raw"} {
 			s[sys] = r.summary(wl, sys)
+			if wl == "W4f" && sys != "pepsi" {
+				s[sys] = r.summary("W4", sys) // nothing to fuse: their W4 is the comparison
+			}
 		}
 		p("| %s, transitions/s | %s | %s | %s | %s | %s | %s | %s |\n", workloadTitles[wl],
 			f0(s["pepsi"].rate), f0(s["river"].rate), f0(s["river-default"].rate), f0(s["raw"].rate),
 			ratio(s["pepsi"].rate, s["river"].rate), ratio(s["pepsi"].rate, s["river-default"].rate),
 			ratio(s["pepsi"].rate, s["raw"].rate))
-		if wl == "W4" {
-			p("| W4 backlog (3 stages), messages/s | %s | %s | %s | %s | | | |\n",
+		if wl == "W4" || wl == "W4f" {
+			p("| %s, messages/s | %s | %s | %s | %s | | | |\n", workloadTitles[wl],
 				f0(s["pepsi"].msgRate), f0(s["river"].msgRate), f0(s["river-default"].msgRate), f0(s["raw"].msgRate))
 		}
 	}
@@ -254,11 +258,14 @@ func (b *bench) report(chartPath string) string {
 	p("| workload | system | runs ok | transitions/s (min–max) | CPU ms / 1k transitions: total | main process | children | PostgreSQL | WAL bytes / transition | peak RSS main, MiB | peak RSS per worker, MiB | other load |\n")
 	p("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	var failures []string
-	for _, wl := range []string{"W1", "W2", "W4", "W5"} {
+	for _, wl := range []string{"W1", "W2", "W4", "W4f", "W5"} {
 		if !b.want(wl) {
 			continue
 		}
 		for _, sys := range []string{"pepsi", "river", "river-default", "raw"} {
+			if wl == "W4f" && sys != "pepsi" {
+				continue
+			}
 			s := r.summary(wl, sys)
 			child := f1(s.child1k)
 			crss := mib(s.childRSS)
@@ -481,7 +488,7 @@ func (b *bench) report(chartPath string) string {
 	p("through the partial indexes. W2 a producer ")
 	p("tops the backlog up to %s pending every 200 ms, %s warm-up, %s measured (messages finished = inserted − open); ",
 		groupThousands(fmt.Sprint(sz.w2Pending)), sz.w2Warmup, sz.w2Measure)
-	p("W3 %v/s for %v / %v; W4 %s messages through 3 stages, and %d/s for %s; W5 W1 with %s messages on top of %s done ",
+	p("W3 %v/s for %v / %v; W4 %s messages through 3 stages (as many transitions as W1, so the workers' start-up, three pools instead of one, weighs the same), and %d/s for %s; W4f the same backlog through pepsi with s2 and s3 `FUSE = yes` (stage fusion: one worker pass runs the three handlers and commits one outcome; River and the raw loop have nothing alike, so W4f compares with their W4); W5 W1 with %s messages on top of %s done ",
 		sz.w3Rates, sz.w3Duration[20], sz.w3Duration[200], groupThousands(fmt.Sprint(sz.w4Messages)), sz.w4Rate, sz.w4Duration,
 		groupThousands(fmt.Sprint(sz.w5Messages)), groupThousands(fmt.Sprint(sz.w5Done)))
 	p("and %s failed rows (River: completed and discarded jobs); W6 %s idle. A backlog run longer than %s is cut: its ",
@@ -529,6 +536,10 @@ func (b *bench) targets(w *strings.Builder) {
 		if !math.IsNaN(w4.msgRate) && !math.IsNaN(w1.rate) {
 			p("| W4: 3-stage messages/s ≥ 1/3 of W1's transitions/s | %s vs %s / 3 = %s | %s |\n", f0(w4.msgRate), f0(w1.rate),
 				f0(w1.rate/3), verdict(w4.msgRate >= w1.rate/3))
+		}
+		if w4f := r.summary("W4f", "pepsi"); !math.IsNaN(w4f.msgRate) && !math.IsNaN(w1.rate) {
+			p("| W4 with stage fusion (s2, s3 `FUSE = yes`): 3-stage messages/s ≥ 1/3 of W1's transitions/s | %s vs %s / 3 = %s | %s |\n",
+				f0(w4f.msgRate), f0(w1.rate), f0(w1.rate/3), verdict(w4f.msgRate >= w1.rate/3))
 		}
 	}
 	if b.want("W5") {

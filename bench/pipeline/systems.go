@@ -320,6 +320,7 @@ type sutProc struct {
 type startOpts struct {
 	stages int  // 1 or 3
 	stamp  bool // record first-stage start times (latency workloads)
+	fuse   bool // pepsi: FUSE = yes on every stage after the first (W4f)
 	tag    string
 }
 
@@ -507,6 +508,9 @@ func (b *bench) writePepsiConf(s *system, o startOpts) (string, error) {
 		}
 		fmt.Fprintf(&w, "\n[stage-s%d]\nPROGRAM = %s\nNEXT = %s\nPARALLELISM = %d\nQUEUE_LIMIT = %d\nMAX_MESSAGES = %d\n",
 			i, filepath.Join(b.bin, "bench-stage"), next, b.pepsiParallelism, b.pepsiQueueLimit, b.pepsiMaxMessages)
+		if o.fuse && i > 1 {
+			w.WriteString("FUSE = yes\n")
+		}
 	}
 	if err := os.WriteFile(conf, []byte(w.String()), 0o644); err != nil {
 		return "", err
