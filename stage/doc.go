@@ -127,7 +127,11 @@
 //
 // Run parses the command line and environment (LoadConfig), and Serve runs the loop; RunStages
 // and ServeStages do the same for a program with a handler per stage, and fuse the stages of
-// PEPSI_FUSE they have a handler for. Every id already waiting on standard input (at least one,
+// PEPSI_FUSE they have a handler for. Run and RunStages set runtime.GOMAXPROCS(1) unless the
+// environment sets GOMAXPROCS: a worker runs one batch at a time on one connection, and idle
+// runtime threads woken at every pipe and socket event cost a machine shared with PostgreSQL
+// and the other workers 15-25 % of its throughput (BENCHMARKS.md). A handler that wants
+// parallelism of its own sets GOMAXPROCS in the worker's environment. Every id already waiting on standard input (at least one,
 // at most 64, or 64/(N+1) for a program that can fuse N stages) forms one batch, run in one
 // transaction:
 //

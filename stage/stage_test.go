@@ -34,6 +34,7 @@ func TestMain(m *testing.M) {
 	if os.Getenv("PEPSI_SDK_TEST_RUN") != "" {
 		Run(func(ctx context.Context, m *Message) error {
 			m.State["by"] = "run"
+			m.State["procs"] = runtime.GOMAXPROCS(0)
 			return m.Advance("b")
 		})
 	}
@@ -719,7 +720,14 @@ func TestRunProcess(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	env := append(os.Environ(), "PEPSI_SDK_TEST_RUN=1", "PEPSI_STAGE=a", "PEPSI_NEXT=b", "PEPSI_DSN="+sch.dsn)
+	// Without GOMAXPROCS in its environment, a worker process runs on one processor.
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "GOMAXPROCS=") {
+			env = append(env, kv)
+		}
+	}
+	env = append(env, "PEPSI_SDK_TEST_RUN=1", "PEPSI_STAGE=a", "PEPSI_NEXT=b", "PEPSI_DSN="+sch.dsn)
 
 	cmd := exec.Command(exe, "-c", "/nonexistent/pepsi.conf", "worker")
 	cmd.Env = env
@@ -734,9 +742,22 @@ func TestRunProcess(t *testing.T) {
 		t.Errorf("stdout %q, want two successes", out)
 	}
 	for _, id := range []int64{a, b} {
-		if stage, _, state := sch.rowOf(t, id); stage != "b" || !strings.Contains(state, `"by": "run"`) {
-			t.Errorf("row %d: stage %s state %s", id, stage, state)
+		if stage, _, state := sch.rowOf(t, id); stage != "b" || !strings.Contains(state, `"by": "run"`) ||
+			!strings.Contains(state, `"procs": 1`) {
+			t.Errorf("row %d: stage %s state %s, want by run on 1 processor", id, stage, state)
 		}
+	}
+
+	// GOMAXPROCS in the environment wins.
+	c := sch.put(t, "a", "running", `{}`)
+	cmd = exec.Command(exe, "worker")
+	cmd.Env = append(env, "GOMAXPROCS=3")
+	cmd.Stdin = strings.NewReader(fmt.Sprintf("%d\n", c))
+	if out, err := cmd.Output(); err != nil || string(out) != "0\n" {
+		t.Fatalf("stage program with GOMAXPROCS=3: %v, stdout %q", err, out)
+	}
+	if _, _, state := sch.rowOf(t, c); !strings.Contains(state, `"procs": 3`) {
+		t.Errorf("row %d: state %s, want procs 3 (GOMAXPROCS=3 in the environment)", c, state)
 	}
 
 	cmd = exec.Command(exe, "serve")
