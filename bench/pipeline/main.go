@@ -69,7 +69,7 @@ type sizes struct {
 }
 
 var fullSizes = sizes{
-	runs: 3, w1Messages: 100_000,
+	runs: 5, w1Messages: 100_000,
 	w2Pending: 20_000, w2Warmup: 3 * time.Second, w2Measure: 30 * time.Second,
 	w3Rates: []int{20, 200}, w3Duration: map[int]time.Duration{20: 15 * time.Second, 200: 10 * time.Second},
 	w4Messages: 33_334, w4Rate: 20, w4Duration: 10 * time.Second,
@@ -105,7 +105,7 @@ type bench struct {
 	systems  []*system
 	started  time.Time
 
-	pepsiParallelism int
+	pepsiWorkers     int // worker processes in all, divided among the stages that get messages
 	pepsiQueueLimit  int
 	pepsiMaxMessages int
 	rawWorkers       int
@@ -128,13 +128,13 @@ func (b *bench) track(p *sutProc) {
 
 func benchMain() int {
 	quick := flag.Bool("quick", false, "a short run: smaller sizes, one run per measurement")
-	runs := flag.Int("runs", 0, "runs per throughput measurement (default 3, or 1 with -quick)")
+	runs := flag.Int("runs", 0, "runs per throughput measurement (default 5, or 1 with -quick)")
 	out := flag.String("out", "", "the Markdown report (default: BENCHMARKS.md at the repository root)")
 	svg := flag.String("svg", "", "the chart (default: bench/results.svg)")
 	only := flag.String("only", "", "comma-separated workloads to run (W1,...,W6); default all")
 	systems := flag.String("systems", "", "comma-separated systems to measure (pepsi,river,river-default,raw); default all")
 	keep := flag.Bool("keep", false, "keep the temporary directory (logs, cluster) for a look")
-	par := flag.Int("pepsi-parallelism", pepsiParallelism, "PARALLELISM of every pepsi stage")
+	par := flag.Int("pepsi-workers", pepsiWorkers, "pepsi's worker processes in all: the PARALLELISM of a 1-stage pipeline, divided among the stages of a longer one")
 	ql := flag.Int("pepsi-queue-limit", pepsiQueueLimit, "QUEUE_LIMIT of every pepsi stage")
 	mm := flag.Int("pepsi-max-messages", pepsiMaxMessages, "MAX_MESSAGES of every pepsi stage")
 	rw := flag.Int("raw-workers", rawWorkersDefault, "goroutines of the raw loop")
@@ -143,7 +143,7 @@ func benchMain() int {
 	flag.Parse()
 
 	b := &bench{quick: *quick, sz: fullSizes, started: time.Now(), dbs: map[string]*system{},
-		pepsiParallelism: *par, pepsiQueueLimit: *ql, pepsiMaxMessages: *mm, rawWorkers: *rw, rawBatch: *rb}
+		pepsiWorkers: *par, pepsiQueueLimit: *ql, pepsiMaxMessages: *mm, rawWorkers: *rw, rawBatch: *rb}
 	if *quick {
 		b.sz = quickSizes
 	}
@@ -224,12 +224,19 @@ func (b *bench) cleanup(keep bool) {
 	}
 }
 
-// want reports whether workload w runs; W4f is part of W4.
+// want reports whether workload w runs; pepsi's variants (W4f, W4w) are part of their workload.
 func (b *bench) want(w string) bool {
-	if w == "W4f" {
-		w = "W4"
+	if base, ok := pepsiVariants[w]; ok {
+		w = base
 	}
 	return b.only == nil || b.only[w]
+}
+
+// pepsiVariants are workloads that only pepsi runs, each a variant of the workload named: the
+// other systems' figures in its rows are those of that workload.
+var pepsiVariants = map[string]string{
+	"W4f": "W4", // stages s2 and s3 FUSE = yes
+	"W4w": "W4", // PARALLELISM = the whole worker budget on every stage (not a target)
 }
 
 func (b *bench) run(ctx context.Context, outPath, svgPath string) error {

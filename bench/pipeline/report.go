@@ -182,6 +182,7 @@ var workloadTitles = map[string]string{
 	"W2":  "W2 continuous (1 stage)",
 	"W4":  "W4 backlog (3 stages)",
 	"W4f": "W4f backlog (3 stages; pepsi's fused: FUSE = yes; the others' W4)",
+	"W4w": "W4w backlog (3 stages; pepsi with PARALLELISM = the whole budget on each, not a target; the others' W4)",
 	"W5":  "W5 big table (1 stage)",
 }
 
@@ -224,22 +225,22 @@ func (b *bench) report(chartPath string) string {
 	p("Ratios are pepsi's throughput over the other system's: above 1 means pepsi is faster.\n\n")
 	p("| workload | pepsi-dispatch | River (tuned) | River (defaults) | raw loop | pepsi / River tuned | pepsi / River defaults | pepsi / raw |\n")
 	p("|---|--:|--:|--:|--:|--:|--:|--:|\n")
-	for _, wl := range []string{"W1", "W2", "W4", "W4f", "W5"} {
+	for _, wl := range []string{"W1", "W2", "W4", "W4f", "W4w", "W5"} {
 		if !b.want(wl) {
 			continue
 		}
 		s := map[string]summary{}
 		for _, sys := range []string{"pepsi", "river", "river-default", "raw"} {
 			s[sys] = r.summary(wl, sys)
-			if wl == "W4f" && sys != "pepsi" {
-				s[sys] = r.summary("W4", sys) // nothing to fuse: their W4 is the comparison
+			if base, ok := pepsiVariants[wl]; ok && sys != "pepsi" {
+				s[sys] = r.summary(base, sys) // pepsi's variant: their own workload is the comparison
 			}
 		}
 		p("| %s, transitions/s | %s | %s | %s | %s | %s | %s | %s |\n", workloadTitles[wl],
 			f0(s["pepsi"].rate), f0(s["river"].rate), f0(s["river-default"].rate), f0(s["raw"].rate),
 			ratio(s["pepsi"].rate, s["river"].rate), ratio(s["pepsi"].rate, s["river-default"].rate),
 			ratio(s["pepsi"].rate, s["raw"].rate))
-		if wl == "W4" || wl == "W4f" {
+		if wl == "W4" || pepsiVariants[wl] == "W4" {
 			p("| %s, messages/s | %s | %s | %s | %s | | | |\n", workloadTitles[wl],
 				f0(s["pepsi"].msgRate), f0(s["river"].msgRate), f0(s["river-default"].msgRate), f0(s["raw"].msgRate))
 		}
@@ -258,12 +259,12 @@ func (b *bench) report(chartPath string) string {
 	p("| workload | system | runs ok | transitions/s (min–max) | CPU ms / 1k transitions: total | main process | children | PostgreSQL | WAL bytes / transition | peak RSS main, MiB | peak RSS per worker, MiB | other load |\n")
 	p("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	var failures []string
-	for _, wl := range []string{"W1", "W2", "W4", "W4f", "W5"} {
+	for _, wl := range []string{"W1", "W2", "W4", "W4f", "W4w", "W5"} {
 		if !b.want(wl) {
 			continue
 		}
 		for _, sys := range []string{"pepsi", "river", "river-default", "raw"} {
-			if wl == "W4f" && sys != "pepsi" {
+			if _, ok := pepsiVariants[wl]; ok && sys != "pepsi" {
 				continue
 			}
 			s := r.summary(wl, sys)
@@ -392,7 +393,7 @@ func (b *bench) report(chartPath string) string {
 		p("%s done and %s failed rows present, %s pending; `EXPLAIN (ANALYZE, BUFFERS)` of the claim statement ",
 			groupThousands(fmt.Sprint(b.sz.w5Done)), groupThousands(fmt.Sprint(b.sz.w5Failed)), groupThousands(fmt.Sprint(b.sz.w5Messages)))
 		p("taken from `claim.go` (prepared, with capacity %d for stage s1) in a transaction that is rolled back. ",
-			b.pepsiParallelism*b.pepsiQueueLimit)
+			b.pepsiWorkers*b.pepsiQueueLimit)
 		p("*Rows read* is what the UPDATE's own scan of `workqueue q` returned (rows × loops): a claim that reads ")
 		p("only what it takes reads about its capacity, whatever the backlog.\n\n")
 		if r.explainErr != "" {
@@ -449,9 +450,14 @@ func (b *bench) report(chartPath string) string {
 	p("Before every measured run the queue table is emptied (`TRUNCATE`, `VACUUM ANALYZE`; W5: the previous run's rows ")
 	p("deleted) and a `CHECKPOINT` is taken; the systems' order rotates from run to run.\n")
 	p("- **pepsi-dispatch**: the real binary (`CGO_ENABLED=0 go build`), a fresh dispatcher per run, the stage program ")
-	p("`bench/pipeline/stage` built with the SDK (Advance to NEXT, or Done). Each stage: `PARALLELISM = %d`, ",
-		b.pepsiParallelism)
-	p("`QUEUE_LIMIT = %d`, `MAX_MESSAGES = %d`; everything else default (POLL_INTERVAL 30 s, STATS_INTERVAL 60 s, ",
+	p("`bench/pipeline/stage` built with the SDK (Advance to NEXT, or Done). A budget of %d worker processes, ",
+		b.pepsiWorkers)
+	p("like River's and the raw loop's concurrency the same in every workload: a 1-stage pipeline has `PARALLELISM = %d`, ",
+		b.pepsiWorkers)
+	p("W4's three stages divide it (`PARALLELISM` %s), so W4 runs as many processes and messages in flight as W1; in W4f the ",
+		strings.Trim(strings.Join(strings.Fields(fmt.Sprint(stageParallelism(b.pepsiWorkers, startOpts{stages: 3}))), ", "), "[]"))
+	p("first stage, whose workers run the fused s2 and s3, has all of it; W4w shows W4 with all of it on every stage. ")
+	p("Every stage: `QUEUE_LIMIT = %d`, `MAX_MESSAGES = %d`; everything else default (POLL_INTERVAL 30 s, STATS_INTERVAL 60 s, ",
 		b.pepsiQueueLimit, b.pepsiMaxMessages)
 	p("DB_POOL_SIZE 8); `USER = nobody` when run as root. Why: the 2 cores are shared by the dispatcher, the workers ")
 	p("and PostgreSQL, and a worker spends most of a batch waiting for its commit's WAL flush; the SDK runs up to 64 ")
@@ -488,7 +494,7 @@ func (b *bench) report(chartPath string) string {
 	p("through the partial indexes. W2 a producer ")
 	p("tops the backlog up to %s pending every 200 ms, %s warm-up, %s measured (messages finished = inserted − open); ",
 		groupThousands(fmt.Sprint(sz.w2Pending)), sz.w2Warmup, sz.w2Measure)
-	p("W3 %v/s for %v / %v; W4 %s messages through 3 stages (as many transitions as W1, so the workers' start-up, three pools instead of one, weighs the same), and %d/s for %s; W4f the same backlog through pepsi with s2 and s3 `FUSE = yes` (stage fusion: one worker pass runs the three handlers and commits one outcome; River and the raw loop have nothing alike, so W4f compares with their W4); W5 W1 with %s messages on top of %s done ",
+	p("W3 %v/s for %v / %v; W4 %s messages through 3 stages (as many transitions as W1, so the workers' start-up, three pools instead of one, weighs the same), and %d/s for %s; W4f the same backlog through pepsi with s2 and s3 `FUSE = yes` (stage fusion: one worker pass runs the three handlers and commits one outcome; River and the raw loop have nothing alike, so W4f compares with their W4); W4w W4 again through pepsi with three times the worker processes (not a target); W5 W1 with %s messages on top of %s done ",
 		sz.w3Rates, sz.w3Duration[20], sz.w3Duration[200], groupThousands(fmt.Sprint(sz.w4Messages)), sz.w4Rate, sz.w4Duration,
 		groupThousands(fmt.Sprint(sz.w5Messages)), groupThousands(fmt.Sprint(sz.w5Done)))
 	p("and %s failed rows (River: completed and discarded jobs); W6 %s idle. A backlog run longer than %s is cut: its ",
@@ -541,6 +547,10 @@ func (b *bench) targets(w *strings.Builder) {
 			p("| W4 with stage fusion (s2, s3 `FUSE = yes`): 3-stage messages/s ≥ 1/3 of W1's transitions/s | %s vs %s / 3 = %s | %s |\n",
 				f0(w4f.msgRate), f0(w1.rate), f0(w1.rate/3), verdict(w4f.msgRate >= w1.rate/3))
 		}
+		if w4w := r.summary("W4w", "pepsi"); !math.IsNaN(w4w.msgRate) && !math.IsNaN(w1.rate) {
+			p("| (not a target) W4w, PARALLELISM %d on each of the 3 stages (%d workers, 3 × W1's): messages/s against W1's transitions/s / 3 | %s vs %s | %.0f %% |\n",
+				b.pepsiWorkers, 3*b.pepsiWorkers, f0(w4w.msgRate), f0(w1.rate/3), 100*w4w.msgRate/(w1.rate/3))
+		}
 	}
 	if b.want("W5") {
 		if b.want("W1") {
@@ -565,7 +575,7 @@ func (b *bench) targets(w *strings.Builder) {
 		}
 		p("| W5: the claim stays on the partial index | %d plans, see below | %s |\n", len(r.explain), verdict(ok))
 		p("| (not a target of the issue) a claim reads about what it takes | reading to claim up to %d: %s | %s |\n",
-			b.pepsiParallelism*b.pepsiQueueLimit, strings.Join(reads, ", "), verdict(cheap))
+			b.pepsiWorkers*b.pepsiQueueLimit, strings.Join(reads, ", "), verdict(cheap))
 	}
 	if b.want("W6") {
 		for _, i := range r.idle {

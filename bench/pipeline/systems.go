@@ -321,6 +321,7 @@ type startOpts struct {
 	stages int  // 1 or 3
 	stamp  bool // record first-stage start times (latency workloads)
 	fuse   bool // pepsi: FUSE = yes on every stage after the first (W4f)
+	wide   bool // pepsi: the whole worker budget on every stage (W4w), not divided
 	tag    string
 }
 
@@ -484,9 +485,11 @@ func (p *sutProc) readStamps(ctx context.Context) (map[int64]int64, error) {
 	return out, sc.Err()
 }
 
-// pepsi's settings, for 2 cores (see the report for why).
+// pepsi's settings, for 2 cores (see the report for why). pepsiWorkers is the number of
+// worker processes in all, like River's and the raw loop's fixed concurrency: a pipeline of
+// several stages divides it among them (stageParallelism).
 const (
-	pepsiParallelism = 8
+	pepsiWorkers     = 8
 	pepsiQueueLimit  = 64
 	pepsiMaxMessages = 1000000
 )
@@ -501,13 +504,14 @@ func (b *bench) writePepsiConf(s *system, o startOpts) (string, error) {
 	}
 	conf := filepath.Join(b.tmp, fmt.Sprintf("pepsi-%s.conf", o.tag))
 	fmt.Fprintf(&w, "CONFIG_FILE = %s\n", conf)
+	par := stageParallelism(b.pepsiWorkers, o)
 	for i := 1; i <= o.stages; i++ {
 		next := ""
 		if i < o.stages {
 			next = fmt.Sprintf("s%d", i+1)
 		}
 		fmt.Fprintf(&w, "\n[stage-s%d]\nPROGRAM = %s\nNEXT = %s\nPARALLELISM = %d\nQUEUE_LIMIT = %d\nMAX_MESSAGES = %d\n",
-			i, filepath.Join(b.bin, "bench-stage"), next, b.pepsiParallelism, b.pepsiQueueLimit, b.pepsiMaxMessages)
+			i, filepath.Join(b.bin, "bench-stage"), next, par[i-1], b.pepsiQueueLimit, b.pepsiMaxMessages)
 		if o.fuse && i > 1 {
 			w.WriteString("FUSE = yes\n")
 		}
@@ -516,6 +520,35 @@ func (b *bench) writePepsiConf(s *system, o startOpts) (string, error) {
 		return "", err
 	}
 	return conf, os.Chmod(conf, 0o644)
+}
+
+// stageParallelism divides a budget of workers among the stages of one run, the first stages
+// taking the remainder (8 over 3 stages: 3, 3, 2), so that pepsi runs as many worker processes
+// and has as many messages in flight in W4 as in W1, as River and the raw loop keep theirs.
+// Fused stages (W4f) are run inside the first stage's workers and get no messages of their
+// own: the first stage takes the whole budget and they keep one worker each, never started.
+// o.wide gives every stage the whole budget (W4w: three times the processes; not a target).
+func stageParallelism(workers int, o startOpts) []int {
+	par := make([]int, o.stages)
+	for i := range par {
+		switch {
+		case o.wide:
+			par[i] = workers
+		case o.fuse:
+			par[i] = 1
+			if i == 0 {
+				par[i] = workers
+			}
+		case workers < o.stages:
+			par[i] = 1 // a stage needs one worker to run at all
+		default:
+			par[i] = workers / o.stages
+			if i < workers%o.stages {
+				par[i]++
+			}
+		}
+	}
+	return par
 }
 
 // waitPepsiReady waits until this dispatcher holds its system's lock (dispatch_instance names
