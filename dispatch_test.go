@@ -291,6 +291,7 @@ func TestFaninWakeRule(t *testing.T) {
 		busy      bool
 		inflight  int
 		inbox     bool
+		minHints  int           // FANIN_MIN_HINTS; 0: 100
 		remaining map[int64]int // as the claims and flushes reported
 		hinted    map[int64]int
 		now       time.Time
@@ -309,10 +310,16 @@ func TestFaninWakeRule(t *testing.T) {
 		{what: "group not complete, delay over", lastFlush: ms(0), remaining: map[int64]int{1: 5}, hinted: map[int64]int{1: 2}, now: ms(250), due: true, at: ms(250)},
 		{what: "enough hints, soon after a flush", lastFlush: ms(0), remaining: map[int64]int{1: 500}, hinted: map[int64]int{1: 100}, now: ms(20), at: ms(50)},
 		{what: "enough hints", lastFlush: ms(0), remaining: map[int64]int{1: 500}, hinted: map[int64]int{1: 100}, now: ms(60), due: true, at: ms(60)},
+		{what: "few hints are enough, group may be complete, quiet", lastFlush: ms(0), minHints: 10, remaining: map[int64]int{1: 3, 2: 500}, hinted: map[int64]int{1: 3, 2: 20}, now: ms(4), at: ms(10)},
+		{what: "few hints are enough, none complete", lastFlush: ms(0), minHints: 10, remaining: map[int64]int{1: 500}, hinted: map[int64]int{1: 20}, now: ms(4), at: ms(50)},
+		{what: "many hints, group may be complete", lastFlush: ms(0), remaining: map[int64]int{1: 3, 2: 500}, hinted: map[int64]int{1: 3, 2: 150}, now: ms(4), at: ms(50)},
 		{what: "the claim saw unapplied events", lastFlush: ms(0), inbox: true, now: ms(100), at: ms(250)},
 	}
 	for _, c := range cases {
-		f := newFanin(DispatchConfig{FaninBatch: 10000, FaninMaxDelay: 250 * time.Millisecond, FaninMinHints: 100}, &faninCounters{})
+		if c.minHints == 0 {
+			c.minHints = 100
+		}
+		f := newFanin(DispatchConfig{FaninBatch: 10000, FaninMaxDelay: 250 * time.Millisecond, FaninMinHints: c.minHints}, &faninCounters{})
 		f.lastFlush, f.busy, f.inbox = c.lastFlush, c.busy, c.inbox
 		f.learn(c.remaining)
 		for g, n := range c.hinted {
