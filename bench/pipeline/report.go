@@ -486,7 +486,7 @@ func (b *bench) report(chartPath string) string {
 	p("on quick W1, with an earlier claim shape). Sessions are named `pepsi-…` like pepsi's, so the requeue trigger skips them the same way. A ")
 	p("`LISTEN workqueue` connection wakes idle goroutines.\n")
 	sz := b.sz
-	p("- **workloads**: W1 %s messages enqueued in one transaction while the system runs idle, timed from that commit ",
+	p("- **workloads**: W1 (after one unmeasured warm-up run of each system, for cold caches) %s messages enqueued in one transaction while the system runs idle, timed from that commit ",
 		groupThousands(fmt.Sprint(sz.w1Messages)))
 	p("until none is pending or running, the enqueue and an ANALYZE of the queue table in one transaction, so that every ")
 	p("system starts with statistics that know the backlog (the W5 plans show what a stale one does to pepsi's claim); ")
