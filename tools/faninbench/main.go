@@ -44,12 +44,14 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"slices"
+	"sort"
 	"strconv"
 	"strings"
 	"syscall"
@@ -70,6 +72,7 @@ var (
 	phases    = flag.String("phases", "abc", "which measurements to make: a (split), b (wake latency), c (throughput)")
 	explain   = flag.Duration("explain", 0, "log EXPLAIN ANALYZE of statements (nested too) slower than this to the server log (diagnosis; slows everything)")
 	keep      = flag.Bool("keep", false, "keep the work directory (binaries, cluster, logs)")
+	stmts     = flag.Int("statements", 0, "report the N statements (nested too, by pg_stat_statements) with the most server time per arm of (c) (diagnosis)")
 )
 
 func main() {
@@ -97,6 +100,13 @@ type bench struct {
 	daemonLog  string
 	out        []row
 	notes      []string
+	stmtArms   [2]map[string]stmtUse // -statements: plain, fan-in arm of (c), summed over the repetitions
+}
+
+// stmtUse is one statement's share of the server's time, from pg_stat_statements.
+type stmtUse struct {
+	calls int64
+	ms    float64
 }
 
 // row is one line of the result table.
@@ -230,6 +240,21 @@ func (b *bench) startCluster(ctx context.Context) error {
 	if _, err := b.db.ExecContext(ctx, `ALTER SYSTEM SET track_commit_timestamp = on`); err != nil {
 		return err
 	}
+	if *stmts > 0 {
+		// pg_stat_statements defines its parameters only when preloaded, so ALTER SYSTEM
+		// cannot name them before the restart: they go into postgresql.conf.
+		f, err := os.OpenFile(filepath.Join(b.pgDir, "data", "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+		if err == nil {
+			_, err = f.WriteString("shared_preload_libraries = 'pg_stat_statements'\n" +
+				"pg_stat_statements.track = all\npg_stat_statements.max = 5000\n")
+			if cerr := f.Close(); err == nil {
+				err = cerr
+			}
+		}
+		if err != nil {
+			return fmt.Errorf("configure pg_stat_statements: %w", err)
+		}
+	}
 	if *explain > 0 {
 		conn, err := b.db.Conn(ctx) // LOAD makes its parameters known to this session only
 		if err != nil {
@@ -264,6 +289,11 @@ func (b *bench) startCluster(ctx context.Context) error {
 	}
 	if tcs != "on" {
 		return fmt.Errorf("track_commit_timestamp is %s after the restart", tcs)
+	}
+	if *stmts > 0 {
+		if _, err := b.db.ExecContext(ctx, `CREATE EXTENSION pg_stat_statements SCHEMA public`); err != nil {
+			return fmt.Errorf("create extension pg_stat_statements: %w", err)
+		}
 	}
 	var syncCommit, fsync string
 	b.db.QueryRowContext(ctx, `SELECT current_setting('synchronous_commit'), current_setting('fsync')`).Scan(&syncCommit, &fsync)
@@ -718,6 +748,7 @@ func (b *bench) measureThroughput(ctx context.Context) error {
 			return err
 		}
 	}
+	b.stmtArms = [2]map[string]stmtUse{} // not the warm-up's
 	before, err := b.statsAfter(ctx, time.Time{})
 	if err != nil {
 		return err
@@ -889,9 +920,73 @@ func (b *bench) statsAfter(ctx context.Context, t time.Time) (dispatchStats, err
 // continue at 'parked', a stage with no program: the fan-in arm pays for the bookkeeping
 // (inbox rows, flushes, wakes) but not for running the continuations, which is other work.
 func (b *bench) throughputRun(ctx context.Context, n, size int, grouped bool) (rate float64, cpu cpuUse, err error) {
+	if *stmts > 0 {
+		if _, err := b.db.ExecContext(ctx, `SELECT public.pg_stat_statements_reset()`); err != nil {
+			return 0, cpu, err
+		}
+	}
+	var stmtErr error
 	cpu0 := b.cpuSeconds()
-	rate, err = b.throughputOnce(ctx, n, size, grouped, func() { cpu = b.cpuSeconds().minus(cpu0) })
+	rate, err = b.throughputOnce(ctx, n, size, grouped, func() {
+		cpu = b.cpuSeconds().minus(cpu0)
+		if *stmts > 0 {
+			stmtErr = b.addStatements(ctx, grouped)
+		}
+	})
+	if err == nil {
+		err = stmtErr
+	}
 	return rate, cpu, err
+}
+
+// addStatements adds pg_stat_statements' counts since the last reset to an arm's.
+func (b *bench) addStatements(ctx context.Context, grouped bool) error {
+	arm := 0
+	if grouped {
+		arm = 1
+	}
+	if b.stmtArms[arm] == nil {
+		b.stmtArms[arm] = map[string]stmtUse{}
+	}
+	rows, err := b.db.QueryContext(ctx, `SELECT query, calls, total_exec_time FROM public.pg_stat_statements`)
+	if err != nil {
+		return fmt.Errorf("read pg_stat_statements: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var q string
+		var u stmtUse
+		if err := rows.Scan(&q, &u.calls, &u.ms); err != nil {
+			return err
+		}
+		q = strings.Join(strings.Fields(q), " ")
+		old := b.stmtArms[arm][q]
+		b.stmtArms[arm][q] = stmtUse{old.calls + u.calls, old.ms + u.ms}
+	}
+	return rows.Err()
+}
+
+// reportStatements prints each arm's costliest statements per 1,000 messages.
+func (b *bench) reportStatements(w io.Writer, messages int) {
+	for arm, name := range []string{"plain", "fan-in"} {
+		m := b.stmtArms[arm]
+		qs := make([]string, 0, len(m))
+		total := 0.0
+		for q, u := range m {
+			qs = append(qs, q)
+			total += u.ms
+		}
+		sort.Slice(qs, func(i, j int) bool { return m[qs[i]].ms > m[qs[j]].ms })
+		per := 1000 / float64(max(1, messages))
+		fmt.Fprintf(w, "\n(c) %s arm, server time by statement (pg_stat_statements, nested counted twice), per 1,000 messages: %.1f ms\n", name, total*per)
+		for _, q := range qs[:min(*stmts, len(qs))] {
+			text := q
+			if len(text) > 110 {
+				text = text[:110] + "…"
+			}
+			fmt.Fprintf(w, "  %7.2f ms %7.1f calls  %s\n", m[q].ms*per, float64(m[q].calls)*per, text)
+		}
+	}
 }
 
 // throughputOnce is throughputRun; done is called when the messages are processed, before
@@ -1078,6 +1173,9 @@ func (b *bench) report() {
 	fmt.Fprintln(w, "Wake latency: from the commit of a group's last child to the commit of the flush that set its")
 	fmt.Fprintln(w, "parent 'pending' (commit timestamps of the child's row and of the group's fanin_wake_log row).")
 	fmt.Fprintln(w, "Throughput: messages over the span of their commits, same no-op stage, same run.")
+	if *stmts > 0 && strings.Contains(*phases, "c") {
+		b.reportStatements(w, *reps**tputN)
+	}
 }
 
 // ---- small helpers ----
