@@ -359,10 +359,12 @@ BEGIN
     EXECUTE format($f$
 CREATE OR REPLACE FUNCTION %1$I.workqueue_fanin_evt_stmt() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    -- Most statements touch no child (claims, plain messages): a scan of the new rows is
-    -- cheaper than the aggregation below. A child's fanout_id never changes, so its old row
-    -- has one exactly when its new row has.
-    IF NOT EXISTS (SELECT 1 FROM fanin_new WHERE fanout_id IS NOT NULL) THEN
+    -- Most statements change no child's membership in {done} or {failed} (plain messages,
+    -- and claims and retries of children: pending <-> running <-> paused): two scans of the
+    -- transition tables are cheaper than the aggregation below, which could only find nothing.
+    -- A child's fanout_id never changes, so its old row has one exactly when its new row has.
+    IF NOT EXISTS (SELECT 1 FROM fanin_new WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed'))
+       AND NOT EXISTS (SELECT 1 FROM fanin_old WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed')) THEN
         RETURN NULL;
     END IF;
     INSERT INTO %1$I.fanin_event (fanout_id, child_id, d_done, d_failed)
