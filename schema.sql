@@ -359,10 +359,14 @@ BEGIN
     EXECUTE format($f$
 CREATE OR REPLACE FUNCTION %1$I.workqueue_fanin_evt_stmt() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    -- Most statements change no child's membership in {done} or {failed} (plain messages,
-    -- and claims and retries of children: pending <-> running <-> paused): two scans of the
-    -- transition tables are cheaper than the aggregation below, which could only find nothing.
-    -- A child's fanout_id never changes, so its old row has one exactly when its new row has.
+    -- Most statements change no child's membership in {done} or {failed}, and a scan or two
+    -- of the transition tables is cheaper than the aggregation below, which could only find
+    -- nothing. First statements that touch no child (plain messages): one scan. A child's
+    -- fanout_id never changes, so its old row has one exactly when its new row has.
+    IF NOT EXISTS (SELECT 1 FROM fanin_new WHERE fanout_id IS NOT NULL) THEN
+        RETURN NULL;
+    END IF;
+    -- Then children's claims and retries (pending <-> running <-> paused).
     IF NOT EXISTS (SELECT 1 FROM fanin_new WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed'))
        AND NOT EXISTS (SELECT 1 FROM fanin_old WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed')) THEN
         RETURN NULL;
