@@ -32,6 +32,10 @@
 //	    starts before the enqueue, so the fan-in arm's CPU includes its 200 splits, which
 //	    cost PostgreSQL more than the plain arm's one INSERT; the throughput excludes both.
 //
+// With -statements N it also lists, per arm of (c), the N statements with the most server
+// time per 1,000 messages (pg_stat_statements, nested statements too, so a trigger's INSERT
+// shows beside the UPDATE that fired it): where the bookkeeping's PostgreSQL time goes.
+//
 // Then it prints a table with the targets of issue 6: split ≤ 2 s, wake p50 ≤ 50 ms idle,
 // p99 ≤ 300 ms under the burst, bookkeeping ≤ 10 %. Exit status 0 even when a target is
 // missed (the table says so); 1 when the benchmark itself failed.
