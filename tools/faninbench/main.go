@@ -43,6 +43,7 @@ package main
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -55,7 +56,6 @@ import (
 	"path/filepath"
 	"runtime"
 	"slices"
-	"sort"
 	"strconv"
 	"strings"
 	"syscall"
@@ -926,7 +926,7 @@ func (b *bench) statsAfter(ctx context.Context, t time.Time) (dispatchStats, err
 func (b *bench) throughputRun(ctx context.Context, n, size int, grouped bool) (rate float64, cpu cpuUse, err error) {
 	if *stmts > 0 {
 		if _, err := b.db.ExecContext(ctx, `SELECT public.pg_stat_statements_reset()`); err != nil {
-			return 0, cpu, err
+			return 0, cpu, fmt.Errorf("reset pg_stat_statements: %w", err)
 		}
 	}
 	var stmtErr error
@@ -961,13 +961,16 @@ func (b *bench) addStatements(ctx context.Context, grouped bool) error {
 		var q string
 		var u stmtUse
 		if err := rows.Scan(&q, &u.calls, &u.ms); err != nil {
-			return err
+			return fmt.Errorf("read pg_stat_statements: %w", err)
 		}
 		q = strings.Join(strings.Fields(q), " ")
 		old := b.stmtArms[arm][q]
 		b.stmtArms[arm][q] = stmtUse{old.calls + u.calls, old.ms + u.ms}
 	}
-	return rows.Err()
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("read pg_stat_statements: %w", err)
+	}
+	return nil
 }
 
 // reportStatements prints each arm's costliest statements per 1,000 messages.
@@ -980,13 +983,13 @@ func (b *bench) reportStatements(w io.Writer, messages int) {
 			qs = append(qs, q)
 			total += u.ms
 		}
-		sort.Slice(qs, func(i, j int) bool { return m[qs[i]].ms > m[qs[j]].ms })
+		slices.SortFunc(qs, func(a, b string) int { return cmp.Compare(m[b].ms, m[a].ms) })
 		per := 1000 / float64(max(1, messages))
 		fmt.Fprintf(w, "\n(c) %s arm, server time by statement (pg_stat_statements, nested counted twice), per 1,000 messages: %.1f ms\n", name, total*per)
 		for _, q := range qs[:min(*stmts, len(qs))] {
 			text := q
-			if len(text) > 110 {
-				text = text[:110] + "…"
+			if r := []rune(text); len(r) > 110 {
+				text = string(r[:110]) + "…"
 			}
 			fmt.Fprintf(w, "  %7.2f ms %7.1f calls  %s\n", m[q].ms*per, float64(m[q].calls)*per, text)
 		}
