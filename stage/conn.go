@@ -3,14 +3,23 @@
 // driver wrapper around lib/pq that calls it before every statement, refuses a second
 // connection and keeps the batch transaction out of the handlers' hands.
 //
-// It sends only savepoint statements (and a fused stage's move of its row, which runBatch
-// composes); what the batches do is stage.go's.
+// It sends only BEGIN and savepoint statements (and a fused stage's move of its row, which
+// runBatch composes); what the batches do is stage.go's.
+//
+// The batch transaction is lazy too: BeginTx sends nothing, and BEGIN goes out in the request
+// of the first savepoint, which only a handler's statement (or an outcome that must be undoable
+// alone) needs. Until then the SDK's own statements (the load, the outcome statement) run
+// alone, each atomic by itself, and Commit has nothing to send. Under READ COMMITTED each
+// statement takes its own snapshot anyway, and the load locks nothing, so a batch whose
+// handlers leave Message.Tx alone sees and does what it would in a transaction, in 2 requests
+// instead of 5.
 package stage
 
 import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -33,7 +42,17 @@ type session struct {
 	broken     error        // a savepoint statement failed: the batch transaction is unusable
 	txOwned    bool         // the handler tried to commit or roll back m.Tx
 	statements int64        // requests sent on the connection (tests count round trips with it)
+	tx         txState      // the batch transaction, as the server sees it
 }
+
+// txState is where the batch transaction stands.
+type txState int
+
+const (
+	txNone  txState = iota // database/sql has no transaction open
+	txLazy                 // database/sql has one; BEGIN is not sent yet
+	txBegun                // BEGIN is sent: the server has a transaction
+)
 
 // spLink is the savepoint of one link of a message's pass (or of an SDK statement): the
 // session opens it lazily, in the request of the first statement that needs it.
@@ -118,6 +137,15 @@ func (s *session) savepointPrefixLocked() string {
 		return ""
 	}
 	var b strings.Builder
+	if s.tx == txLazy {
+		if !s.inHandler && l.move == "" {
+			// No transaction yet, and the SDK's own statement (an outcome): alone it is
+			// atomic, and if it fails there is nothing of it to undo. No savepoint, no BEGIN.
+			return ""
+		}
+		b.WriteString("BEGIN; ")
+		s.tx = txBegun
+	}
 	if !l.nested {
 		if s.last != "" {
 			// Released, the previous message's subtransaction merges into the batch and the
@@ -221,6 +249,7 @@ func (c *onceConnector) Driver() driver.Driver { return c.pq.Driver() }
 // pqConn is what lib/pq's connection implements and database/sql looks for.
 type pqConn interface {
 	driver.Conn
+	driver.Tx // lib/pq's connection commits and rolls back the transaction it is in
 	driver.ConnBeginTx
 	driver.ConnPrepareContext
 	driver.ExecerContext
@@ -285,15 +314,24 @@ func (c *wrappedConn) Begin() (driver.Tx, error) {
 	return c.BeginTx(context.Background(), driver.TxOptions{})
 }
 
+// BeginTx begins the batch transaction lazily (see the top of the file): the first savepoint
+// sends BEGIN. Options other than the defaults, which the SDK never asks for, begin at once.
 func (c *wrappedConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
 	c.sess.mu.Lock()
-	c.sess.statements++
-	c.sess.mu.Unlock()
-	tx, err := c.inner.BeginTx(ctx, opts)
-	if err != nil {
-		return nil, err
+	defer c.sess.mu.Unlock()
+	if c.sess.tx != txNone {
+		return nil, errors.New("begin transaction: the stage SDK's connection is in one already")
 	}
-	return &wrappedTx{inner: tx, sess: c.sess}, nil
+	if opts.Isolation != driver.IsolationLevel(sql.LevelDefault) || opts.ReadOnly {
+		c.sess.statements++
+		if _, err := c.inner.BeginTx(ctx, opts); err != nil {
+			return nil, err
+		}
+		c.sess.tx = txBegun
+	} else {
+		c.sess.tx = txLazy
+	}
+	return &wrappedTx{conn: c}, nil
 }
 
 func (c *wrappedConn) ExecContext(ctx context.Context, query string, args []driver.NamedValue) (
@@ -322,35 +360,44 @@ func (c *wrappedConn) CheckNamedValue(nv *driver.NamedValue) error {
 	return c.inner.CheckNamedValue(nv)
 }
 
-// wrappedTx refuses Commit and Rollback while a handler runs: the batch transaction is the SDK's.
+// wrappedTx is the batch transaction. It refuses Commit and Rollback while a handler runs (the
+// transaction is the SDK's), and sends neither when BEGIN was never sent.
 type wrappedTx struct {
-	inner driver.Tx
-	sess  *session
+	conn *wrappedConn
 }
 
 func (t *wrappedTx) Commit() error {
-	if t.refuse() {
-		return errTxOwned
+	begun, err := t.end()
+	if err != nil || !begun {
+		return err
 	}
-	return t.inner.Commit()
+	return t.conn.inner.Commit()
 }
 
 func (t *wrappedTx) Rollback() error {
-	if t.refuse() {
-		return errTxOwned
+	begun, err := t.end()
+	if err != nil || !begun {
+		return err
 	}
-	return t.inner.Rollback()
+	return t.conn.inner.Rollback()
 }
 
-func (t *wrappedTx) refuse() bool {
-	t.sess.mu.Lock()
-	defer t.sess.mu.Unlock()
-	if t.sess.inHandler {
-		t.sess.txOwned = true
-		return true
+// end ends the transaction for the session, unless a handler runs, and tells whether the
+// server has one to end.
+func (t *wrappedTx) end() (begun bool, err error) {
+	s := t.conn.sess
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.inHandler {
+		s.txOwned = true
+		return false, errTxOwned
 	}
-	t.sess.statements++
-	return false
+	begun = s.tx == txBegun
+	s.tx = txNone
+	if begun {
+		s.statements++
+	}
+	return begun, nil
 }
 
 // ctxStmt is what lib/pq's prepared statement implements.

@@ -135,15 +135,20 @@
 // at most 64, or 64/(N+1) for a program that can fuse N stages) forms one batch, run in one
 // transaction:
 //
-//	BEGIN
 //	SELECT workqueue_id, attempts, payload, state FROM workqueue
 //	 WHERE workqueue_id = ANY($ids) AND status = 'running' AND stage = $stage
-//	for each id, in order: the handler, its own statements inside a SAVEPOINT of its own,
+//	for each id, in order: the handler, its own statements inside a SAVEPOINT of its own
+//	  (the first SAVEPOINT of the batch is sent as BEGIN; SAVEPOINT …),
 //	  then the handlers of the fused stages its advance leads to, each in a lazy SAVEPOINT
 //	  of its own (nested in the message's savepoints opened before it)
 //	one UPDATE … FROM unnest($ids, $stages, …) RETURNING for the outcomes not written yet (below)
-//	COMMIT
+//	COMMIT, if BEGIN was sent
 //	then all the batch's status lines, in one write
+//
+// The transaction begins with the first statement that needs to be undoable alone: a handler's
+// statement on Message.Tx. When no handler of the batch sends one, there is no transaction: the
+// load and the outcome statement run as statements of their own (each atomic, and under READ
+// COMMITTED each statement reads its own snapshot in a transaction too; the load locks nothing).
 //
 // An id whose row is not running at the stage is answered "1 ... (claim lost)" without running
 // the handler. A handler that returns an error (or panics, or chooses no outcome, or two) fails
@@ -158,13 +163,14 @@
 // outcome of such a handler is kept, with the state as it was when chosen, and written after
 // the handler returned, together with the batch's other kept outcomes, in one statement that
 // keeps each row's guard (RETURNING tells which rows it found; the others fail as claim lost).
-// A batch of N messages whose handlers do not use Message.Tx thus costs 5 round trips (BEGIN,
-// the load, the outcomes' SAVEPOINT, the outcome statement, prepared once per connection so
-// that PostgreSQL does not parse and plan it per batch, and COMMIT) instead of N + 3, fused
-// stages included: their outcome replaces the advance in that statement. A batch of one
-// message costs 4: its outcome UPDATE shares the SAVEPOINT's round trip. A handler that does use it adds one round
-// trip for the SAVEPOINT, its own statements, and its outcome's UPDATE, written at once inside
-// the savepoint. A fused stage's savepoint request also moves the running row to that stage
+// A batch of N messages whose handlers do not use Message.Tx thus costs 2 round trips (the load
+// and the outcome statement, prepared once per connection so that PostgreSQL does not parse
+// and plan it per batch) instead of N + 3, fused stages included: their outcome replaces the
+// advance in that statement. Should the outcome statement fail, the outcomes are written one
+// by one, so that one bad message fails alone. A handler that does use Message.Tx adds one
+// round trip for BEGIN (the batch's first) and its SAVEPOINT, its own statements, and its
+// outcome's UPDATE, written at once inside the savepoint; the batch then ends with COMMIT, and
+// its kept outcomes take one more round trip for their savepoint. A fused stage's savepoint request also moves the running row to that stage
 // (UPDATE … SET stage = Y, attempts = 0 under the claim's guard), so that its handler, and the
 // guards of its statements, see the row running at Y; the pass's outcome is then guarded by Y.
 package stage

@@ -567,7 +567,7 @@ func (r *reply) words() string {
 	return strings.Join(words, " ")
 }
 
-// runBatch runs the messages of lines in one transaction and returns their status lines, or a
+// runBatch runs the messages of lines in one transaction (or none) and returns their status lines, or a
 // fatal error (the connection is gone; nothing is to be written then: the dispatcher treats
 // the exit as a crash and puts the rows back).
 //
@@ -586,14 +586,18 @@ func (r *reply) words() string {
 //     savepoint of its own (nested in its predecessor's when that one is open), opened
 //     together with the move of the row to its stage. An advance that leads to it is always
 //     kept, so that it can be dropped when the fused stage succeeds and written when it fails.
+//   - The transaction is lazy as well (conn.go): BEGIN goes out with the first savepoint. A
+//     batch that needs none runs its load and its outcome statement as two statements of their
+//     own, each atomic; nothing is held between them that a transaction would have held (the
+//     load locks nothing, and READ COMMITTED gives each statement its own snapshot).
 //
-// Requests per batch of N messages whose handlers leave m.Tx alone: BEGIN, the load, the
-// outcome's SAVEPOINT, the outcome statement, COMMIT — 5, whatever N is and whatever they
-// fuse (4 for one message, whose outcome UPDATE shares the SAVEPOINT's request). A handler that uses
-// m.Tx adds one SAVEPOINT, its own statements and its outcome UPDATE; a failed message that
-// wrote adds a ROLLBACK TO. Writing every outcome at once in its own savepoint (the simple
-// way) would cost N + 3 requests, N statements to parse and plan, and N subtransaction XIDs per
-// batch.
+// Requests per batch of N messages whose handlers leave m.Tx alone: the load and the outcome
+// statement — 2, whatever N is and whatever they fuse. A handler that uses m.Tx adds one
+// request for BEGIN (the first in the batch only) and its SAVEPOINT, its own statements, its
+// outcome UPDATE, and the COMMIT at the end; the kept outcomes then join the transaction, in a
+// savepoint of their own (one more request). A failed message that wrote adds a ROLLBACK TO.
+// Writing every outcome at once in its own savepoint (the simple way) would cost N + 3
+// requests, N statements to parse and plan, and N subtransaction XIDs per batch.
 func (s *server) runBatch(ctx context.Context, lines []string) ([]byte, error) {
 	replies := make([]reply, len(lines))
 	ids := make([]int64, 0, len(lines))
@@ -631,7 +635,9 @@ func (s *server) runBatch(ctx context.Context, lines []string) ([]byte, error) {
 }
 
 // runTx is one batch transaction. It fills replies; an error means the transaction was rolled
-// back (or is lost) and every message fails with it.
+// back (or is lost) and every message fails with it. Without a transaction begun, nothing is
+// written before the kept outcomes, and nothing after them can fail, so an error still means
+// that nothing of the batch was written.
 func (s *server) runTx(ctx context.Context, replies []reply, ids []int64) (err error) {
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
@@ -906,17 +912,18 @@ RETURNING w.workqueue_id`
 
 // writeOutcomes writes the kept outcomes in one statement (outcomeQuery), each row under the
 // same guard as a single outcome, and fails the messages whose row it did not find.
-// The statement runs in a savepoint of its own: should it fail (say one state that jsonb
-// rejects), it is rolled back and the outcomes are written one by one, each in its own
-// savepoint, so that one bad message does not fail the batch. A kept outcome is that of the
+// In a begun transaction the statement runs in a savepoint of its own, outside one alone:
+// should it fail (say one state that jsonb rejects), it is undone and the outcomes are written
+// one by one, each in its own savepoint (or alone), so that one bad message does not fail the
+// batch. A kept outcome is that of the
 // last stage of its pass; every row is still running at the claimed stage (no stage of a pass
 // with a kept outcome has written), which is the guard. One by one, an outcome of a fused stage
 // that is refused for another reason than a lost claim falls back to the advance that led to
 // that stage, as a failure of the fused stage's handler does.
 func (s *server) writeOutcomes(ctx context.Context, tx *sql.Tx, kept []keptOutcome, replies []reply) error {
 	if len(kept) == 1 {
-		// One outcome: its UPDATE shares the savepoint's round trip, which the prepared
-		// statement cannot; there is no list to parse and plan.
+		// One outcome: its UPDATE shares the savepoint's round trip (if it needs one), which
+		// the prepared statement cannot; there is no list to parse and plan.
 		return s.writeOutcome(ctx, tx, kept[0], &replies[kept[0].index])
 	}
 	ids := make([]int64, len(kept))
@@ -935,7 +942,8 @@ func (s *server) writeOutcomes(ctx context.Context, tx *sql.Tx, kept []keptOutco
 
 	s.sess.setLink(spLink{name: "pepsi_outcomes"})
 	// A prepared statement cannot share its round trip with the savepoint, as the text of the
-	// VALUES form did: one more round trip per batch, against its parse and plan.
+	// VALUES form did: one more round trip for a batch in a transaction, against its parse and
+	// plan. Without a transaction there is no savepoint to make.
 	var written map[int64]bool
 	var err error
 	if prefix := s.sess.savepointPrefix(); prefix != "" {

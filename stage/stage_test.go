@@ -525,9 +525,10 @@ func TestBatchIsOneTransaction(t *testing.T) {
 	}
 }
 
-// A batch of messages whose handlers leave m.Tx alone costs 4 requests: BEGIN, the load, the
-// outcome statement, COMMIT. A handler with a statement of its own adds the SAVEPOINT, that
-// statement and its outcome's UPDATE.
+// A batch of messages whose handlers leave m.Tx alone costs 2 requests, the load and the
+// outcome statement, with no transaction around them. A handler with a statement of its own
+// begins one: BEGIN and its SAVEPOINT in one request, that statement, its outcome's UPDATE and
+// the COMMIT.
 func TestRoundTrips(t *testing.T) {
 	sch := newSchema(t)
 	var ids []int64
@@ -551,14 +552,14 @@ func TestRoundTrips(t *testing.T) {
 	before := statements()
 	sv.send(t, ids...)
 	sv.replies(t, len(ids))
-	if got := statements() - before; got != 5 {
-		t.Errorf("batch of %d: %d requests, want 5 (BEGIN, load, SAVEPOINT, outcomes, COMMIT)", len(ids), got)
+	if got := statements() - before; got != 2 {
+		t.Errorf("batch of %d: %d requests, want 2 (load, outcomes)", len(ids), got)
 	}
 	before = statements()
 	sv.send(t, touch)
 	sv.replies(t, 1)
-	if got := statements() - before; got != 1+3+2 {
-		t.Errorf("one message with a statement of its own: %d requests, want 6", got)
+	if got := statements() - before; got != 5 {
+		t.Errorf("one message with a statement of its own: %d requests, want 5 (load, BEGIN and SAVEPOINT, INSERT, UPDATE, COMMIT)", got)
 	}
 }
 
@@ -917,6 +918,66 @@ func TestKeptOutcomes(t *testing.T) {
 	check(plain, "a", "paused", `{"orig": 1}`)
 	if n := sch.int(t, `SELECT count(*) FROM side`); n != 1 {
 		t.Errorf("%d side rows, want only the one of the message that succeeded", n)
+	}
+}
+
+// The same without a transaction: when no handler of the batch uses m.Tx, the outcome
+// statement runs alone, and when it fails the outcomes are written one by one, each alone. A
+// row that moved fails its message, a state that jsonb rejects fails its own, and the rest are
+// written: load, outcome statement, then one UPDATE per outcome, and no BEGIN or COMMIT.
+func TestKeptOutcomesWithoutTransaction(t *testing.T) {
+	sch := newSchema(t)
+	moved := sch.put(t, "a", "running", `{"case": "moved"}`)
+	badState := sch.put(t, "a", "running", `{"case": "nul"}`)
+	plain := sch.put(t, "a", "running", `{"case": "plain"}`)
+	entered, release := make(chan struct{}), make(chan struct{})
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		p := string(m.Payload)
+		switch {
+		case strings.Contains(p, "moved"):
+			if err := m.Advance("b"); err != nil {
+				return err
+			}
+			close(entered)
+			<-release
+			return nil
+		case strings.Contains(p, "nul"):
+			m.State["bad"] = "a\x00b"
+			return m.Done()
+		default:
+			return m.Advance("c")
+		}
+	})
+	statements := func() int64 {
+		sv.sess.mu.Lock()
+		defer sv.sess.mu.Unlock()
+		return sv.sess.statements
+	}
+	before := statements()
+	sv.send(t, moved, badState, plain)
+	select {
+	case <-entered:
+	case <-time.After(waitTimeout):
+		t.Fatal("timed out waiting for the handler")
+	}
+	sch.exec(t, `UPDATE workqueue SET status = 'pending' WHERE workqueue_id = $1`, moved)
+	close(release)
+	r := sv.replies(t, 3)
+	wantFailure(t, r[0], "claim lost")
+	wantFailure(t, r[1], "unsupported Unicode escape")
+	if r[2] != "0" {
+		t.Errorf("reply %q for the plain message, want 0", r[2])
+	}
+	if got := statements() - before; got != 1+1+3 {
+		t.Errorf("%d requests, want 5 (load, outcome statement, 3 single outcomes)", got)
+	}
+	for _, c := range []struct {
+		id                  int64
+		stage, status, note string
+	}{{moved, "a", "pending", "claim taken back"}, {badState, "a", "running", "refused state"}, {plain, "c", "pending", "advanced"}} {
+		if stage, status, _ := sch.rowOf(t, c.id); stage != c.stage || status != c.status {
+			t.Errorf("%s row %d: %s/%s, want %s/%s", c.note, c.id, stage, status, c.stage, c.status)
+		}
 	}
 }
 
