@@ -7,12 +7,11 @@
 // runBatch composes); what the batches do is stage.go's.
 //
 // The batch transaction is lazy too: BeginTx sends nothing, and BEGIN goes out in the request
-// of the first savepoint, which only a handler's statement (or an outcome that must be undoable
-// alone) needs. Until then the SDK's own statements (the load, the outcome statement) run
-// alone, each atomic by itself, and Commit has nothing to send. Under READ COMMITTED each
-// statement takes its own snapshot anyway, and the load locks nothing, so a batch whose
-// handlers leave Message.Tx alone sees and does what it would in a transaction, in 2 requests
-// instead of 5.
+// of the first savepoint, which only a handler's statement needs. Until then the load runs
+// alone, and if no handler sends a statement Commit has nothing to send: under READ COMMITTED
+// each statement takes its own snapshot anyway, and the load locks nothing, so a batch whose
+// handlers leave Message.Tx alone sees what it would in a transaction, and its outcomes are one
+// statement after it (stage.go), in 2 requests instead of 5.
 package stage
 
 import (
@@ -43,6 +42,9 @@ type session struct {
 	txOwned    bool         // the handler tried to commit or roll back m.Tx
 	statements int64        // requests sent on the connection (tests count round trips with it)
 	tx         txState      // the batch transaction, as the server sees it
+	savepoints int          // SAVEPOINT statements sent in the batch: at most one subtransaction XID each
+	peak       int          // the most savepoints a batch opened (tests check it against maxSubxids)
+	begun      bool         // the batch sent BEGIN
 }
 
 // txState is where the batch transaction stands.
@@ -66,7 +68,22 @@ type spLink struct {
 func (s *session) beginTx() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.last, s.link, s.broken = "", spLink{}, nil
+	s.last, s.link, s.broken, s.savepoints = "", spLink{}, nil, 0
+	s.begun = s.tx == txBegun
+}
+
+// savepointsOpened returns the savepoints the batch has opened so far (see maxSubxids).
+func (s *session) savepointsOpened() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.savepoints
+}
+
+// began reports whether the batch began a transaction on the server.
+func (s *session) began() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.begun
 }
 
 // setLink makes l the savepoint that the next statement needs (savepointPrefix): a message's,
@@ -138,13 +155,8 @@ func (s *session) savepointPrefixLocked() string {
 	}
 	var b strings.Builder
 	if s.tx == txLazy {
-		if !s.inHandler && l.move == "" {
-			// No transaction yet, and the SDK's own statement (an outcome): alone it is
-			// atomic, and if it fails there is nothing of it to undo. No savepoint, no BEGIN.
-			return ""
-		}
 		b.WriteString("BEGIN; ")
-		s.tx = txBegun
+		s.tx, s.begun = txBegun, true
 	}
 	if !l.nested {
 		if s.last != "" {
@@ -155,6 +167,8 @@ func (s *session) savepointPrefixLocked() string {
 		s.last = l.name
 	}
 	b.WriteString("SAVEPOINT " + l.name + "; ")
+	s.savepoints++
+	s.peak = max(s.peak, s.savepoints)
 	if l.move != "" {
 		b.WriteString(l.move + "; ")
 	}

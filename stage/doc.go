@@ -131,9 +131,8 @@
 // environment sets GOMAXPROCS: a worker runs one batch at a time on one connection, and idle
 // runtime threads woken at every pipe and socket event cost a machine shared with PostgreSQL
 // and the other workers 15-25 % of its throughput (BENCHMARKS.md). A handler that wants
-// parallelism of its own sets GOMAXPROCS in the worker's environment. Every id already waiting on standard input (at least one,
-// at most 64, or 64/(N+1) for a program that can fuse N stages) forms one batch, run in one
-// transaction:
+// parallelism of its own sets GOMAXPROCS in the worker's environment. Every id already waiting
+// on standard input (at least one, at most 256) forms one batch, run in one transaction:
 //
 //	SELECT workqueue_id, attempts, payload, state FROM workqueue
 //	 WHERE workqueue_id = ANY($ids) AND status = 'running' AND stage = $stage
@@ -141,14 +140,22 @@
 //	  (the first SAVEPOINT of the batch is sent as BEGIN; SAVEPOINT …),
 //	  then the handlers of the fused stages its advance leads to, each in a lazy SAVEPOINT
 //	  of its own (nested in the message's savepoints opened before it)
-//	one UPDATE … FROM unnest($ids, $stages, …) RETURNING for the outcomes not written yet (below)
 //	COMMIT, if BEGIN was sent
+//	one UPDATE … FROM unnest($ids, $stages, …) RETURNING for the outcomes not written yet (below)
 //	then all the batch's status lines, in one write
 //
 // The transaction begins with the first statement that needs to be undoable alone: a handler's
 // statement on Message.Tx. When no handler of the batch sends one, there is no transaction: the
 // load and the outcome statement run as statements of their own (each atomic, and under READ
 // COMMITTED each statement reads its own snapshot in a transaction too; the load locks nothing).
+// The outcomes not written yet are those of handlers that sent no statement: they have nothing
+// to commit with, and run after the COMMIT, outside the transaction.
+//
+// A batch stops taking messages (the ids left over start the next batch) when the next
+// message could take the transaction past 64 savepoints, the subtransactions PostgreSQL caches
+// per backend (one per stage of its pass that writes: N+1 for a program that can fuse N), or
+// when it has run for 100 ms: its replies wait for its end. After a batch that began a
+// transaction a worker reads no more ids than 64/(N+1), so that leftovers are rare.
 //
 // An id whose row is not running at the stage is answered "1 ... (claim lost)" without running
 // the handler. A handler that returns an error (or panics, or chooses no outcome, or two) fails
@@ -169,8 +176,8 @@
 // advance in that statement. Should the outcome statement fail, the outcomes are written one
 // by one, so that one bad message fails alone. A handler that does use Message.Tx adds one
 // round trip for BEGIN (the batch's first) and its SAVEPOINT, its own statements, and its
-// outcome's UPDATE, written at once inside the savepoint; the batch then ends with COMMIT, and
-// its kept outcomes take one more round trip for their savepoint. A fused stage's savepoint request also moves the running row to that stage
+// outcome's UPDATE, written at once inside the savepoint; the transaction then ends with
+// COMMIT, before the outcome statement. A fused stage's savepoint request also moves the running row to that stage
 // (UPDATE … SET stage = Y, attempts = 0 under the claim's guard), so that its handler, and the
 // guards of its statements, see the row running at Y; the pass's outcome is then guarded by Y.
 package stage

@@ -16,15 +16,19 @@ import (
 	"time"
 )
 
-// serveFused starts ServeStages for cfg (its DSN and hooks set here) and stops it at the end
-// of the test.
+// serveFused starts ServeStages for cfg (its DSN and session hook set here; a batchTime in
+// cfg.hooks is kept) and stops it at the end of the test.
 func serveFused(t *testing.T, sch *schema, cfg Config, handlers map[string]Handler) *serving {
 	t.Helper()
 	inR, inW := io.Pipe()
 	sv := &serving{in: inW, out: newRecorder(), done: make(chan error, 1)}
 	sessCh := make(chan *session, 1)
 	cfg.DSN = sch.dsn
-	cfg.hooks = &testHooks{session: func(s *session) { sessCh <- s }}
+	hooks := testHooks{session: func(s *session) { sessCh <- s }}
+	if cfg.hooks != nil {
+		hooks.batchTime = cfg.hooks.batchTime
+	}
+	cfg.hooks = &hooks
 	go func() {
 		err := ServeStages(context.Background(), cfg, inR, sv.out, handlers)
 		inR.CloseWithError(errors.New("serve returned"))
@@ -259,9 +263,16 @@ func TestFusionChainMatrix(t *testing.T) {
 			t.Errorf("%s: side rows of stages %q, want %q", name, got, strings.Join(wantSide, ","))
 		}
 	}
-	// 24 messages in batches of at most 64/(1+2) = 21: two transactions, two writes.
-	if n := sv.out.count(); n != 2 {
-		t.Errorf("%d writes for 24 messages with two fusable stages, want 2 (batches of 21)", n)
+	// No batch opened more savepoints than PostgreSQL caches subtransactions for, and they were
+	// batches: 24 messages in at most 2 writes.
+	sv.sess.mu.Lock()
+	peak := sv.sess.peak
+	sv.sess.mu.Unlock()
+	if peak > maxSubxids || peak == 0 {
+		t.Errorf("a batch opened %d savepoints, want 1 to %d", peak, maxSubxids)
+	}
+	if n := sv.out.count(); n > 2 {
+		t.Errorf("%d writes for 24 messages with two fusable stages, want at most 2", n)
 	}
 }
 

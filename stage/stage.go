@@ -34,12 +34,23 @@ import (
 )
 
 const (
-	// maxBatch caps the messages run in one transaction. Every message that writes opens a
-	// subtransaction with its own XID, and PostgreSQL caches at most 64 of those per backend
+	// maxSubxids caps the savepoints a batch's transaction opens. Every savepoint that writes
+	// takes a subtransaction XID, and PostgreSQL caches at most 64 of those per backend
 	// (PGPROC_MAX_CACHED_SUBXIDS); past that the backend's snapshot entry overflows and every
-	// snapshot in the cluster gets slower. A batch also delays its first reply until its last
-	// message is done, so a bigger one would buy little.
-	maxBatch = 64
+	// snapshot in the cluster gets slower. A message's pass opens at most one savepoint per
+	// stage it runs, so a batch takes no further message once the next one could overflow.
+	maxSubxids = 64
+
+	// maxBatch caps the ids read for one batch. Messages whose handlers leave Message.Tx
+	// alone take no savepoint (their outcomes are written by one statement after the
+	// transaction), so only this and maxBatchTime bound such a batch: a bigger batch costs
+	// fewer statements per message. After a batch that wrote, a read takes only as many ids
+	// as maxSubxids allows, so that the ids left over are not loaded twice.
+	maxBatch = 256
+
+	// maxBatchTime is how long a batch takes new messages: its replies come after its last
+	// message, and MAX_RUNTIME counts for the first from when the previous batch answered.
+	maxBatchTime = 100 * time.Millisecond
 
 	// readBufferSize bounds the bytes read from stdin ahead of processing: a few thousand ids.
 	readBufferSize = 64 << 10
@@ -122,6 +133,8 @@ type Config struct {
 type testHooks struct {
 	// session receives the session once it is connected.
 	session func(s *session)
+	// batchTime replaces maxBatchTime when it is not 0.
+	batchTime time.Duration
 }
 
 var stageName = regexp.MustCompile(`^[a-z0-9_-]+$`)
@@ -305,8 +318,9 @@ func run(ctx context.Context, args []string, getenv func(string) string,
 // database calls, where lib/pq closes the connection to cancel them; a Read of in that is
 // blocked is not interrupted: close in to stop it.
 //
-// Every id already available on in (up to 64) is run as one batch in one transaction, whose
-// status lines are written together after the commit; see doc.go. Serve is ServeStages with
+// Every id already available on in (up to 256; see maxBatch, maxSubxids, maxBatchTime) is run
+// as one batch in one transaction, whose status lines are written together after the commit;
+// see doc.go. Serve is ServeStages with
 // h as the only handler, that of cfg.Stage: it fuses nothing.
 func Serve(ctx context.Context, cfg Config, in io.Reader, out io.Writer, h Handler) error {
 	return ServeStages(ctx, cfg, in, out, map[string]Handler{cfg.Stage: h})
@@ -344,8 +358,8 @@ func Serve(ctx context.Context, cfg Config, in io.Reader, out io.Writer, h Handl
 // joins the batch's outcome statement. A fused stage that uses Tx adds one request (its
 // savepoint and the move of the row) besides its own statements, and its outcome is written
 // at once. Each stage that writes takes a subtransaction; to keep a batch within the 64 that
-// PostgreSQL caches per backend, a program that can fuse N stages runs at most 64/(N+1)
-// messages per batch.
+// PostgreSQL caches per backend, a batch takes no further message once the next pass could
+// take more, counting N+1 for a program that can fuse N stages.
 func ServeStages(ctx context.Context, cfg Config, in io.Reader, out io.Writer, handlers map[string]Handler) error {
 	if err := cfg.validate(); err != nil {
 		return fmt.Errorf("check configuration: %w", err)
@@ -358,18 +372,23 @@ func ServeStages(ctx context.Context, cfg Config, in io.Reader, out io.Writer, h
 		return err
 	}
 	defer srv.close()
-	batch := max(1, maxBatch/(1+len(srv.views)))
 	r := bufio.NewReaderSize(in, readBufferSize)
+	var rest []string // ids read but not run: the last batch reached its budget before them
 	for {
 		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("serve: %w", err)
 		}
-		lines, eof, err := readBatch(r, batch)
+		limit := maxBatch
+		if srv.wrote {
+			limit = max(1, maxSubxids/(1+len(srv.views)))
+		}
+		lines, eof, err := readBatch(r, rest, limit)
 		if err != nil {
 			return fmt.Errorf("read message ids: %w", err)
 		}
 		if len(lines) > 0 {
-			replies, err := srv.runBatch(ctx, lines)
+			var replies []byte
+			replies, rest, err = srv.runBatch(ctx, lines)
 			if err != nil {
 				return err
 			}
@@ -378,7 +397,7 @@ func ServeStages(ctx context.Context, cfg Config, in io.Reader, out io.Writer, h
 				return fmt.Errorf("write status lines: %w", err)
 			}
 		}
-		if eof {
+		if eof && len(rest) == 0 {
 			return nil
 		}
 	}
@@ -401,11 +420,13 @@ func checkHandlers(cfg Config, handlers map[string]Handler) error {
 	return nil
 }
 
-// readBatch reads one line, waiting for it, and then every further complete line that is
-// already buffered, up to max. Waiting for more would delay the replies of the lines in hand,
-// and the dispatcher writes a worker's queue in one buffer, so one read brings in all of it. A
-// last line without a newline before EOF counts as a line.
-func readBatch(r *bufio.Reader, max int) (lines []string, eof bool, err error) {
+// readBatch returns the lines in hand (have) and every further complete line that is already
+// buffered, up to max, after waiting for one line when there are none in hand. Waiting for
+// more would delay the replies of the lines in hand, and the dispatcher writes a worker's
+// queue in one buffer, so one read brings in all of it. A last line without a newline before
+// EOF counts as a line.
+func readBatch(r *bufio.Reader, have []string, max int) (lines []string, eof bool, err error) {
+	lines = have
 	for len(lines) < max {
 		if len(lines) > 0 {
 			buffered, _ := r.Peek(r.Buffered()) // cannot fail: it asks for no more than is buffered
@@ -457,6 +478,10 @@ type server struct {
 	// plan, a fifth of the statement's time).
 	outcome *sql.Stmt
 	log     *slog.Logger
+	// wrote tells whether the last batch began a transaction: the next reads fewer ids.
+	wrote bool
+	// batchTime is maxBatchTime, or a test's.
+	batchTime time.Duration
 
 	fuseFailures int // a view's fused runs that failed, for rate-limited logging
 }
@@ -487,7 +512,10 @@ func connect(ctx context.Context, cfg Config, handlers map[string]Handler) (*ser
 	db.SetConnMaxLifetime(0)
 	db.SetConnMaxIdleTime(0)
 	srv := &server{cfg: cfg, h: handlers[cfg.Stage], views: map[string]*server{}, db: db, sess: sess,
-		log: slog.Default().With("stage", cfg.Stage)}
+		log: slog.Default().With("stage", cfg.Stage), batchTime: maxBatchTime}
+	if cfg.hooks != nil && cfg.hooks.batchTime != 0 {
+		srv.batchTime = cfg.hooks.batchTime
+	}
 	if err := db.PingContext(ctx); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("connect to the database: %w", err)
@@ -567,9 +595,10 @@ func (r *reply) words() string {
 	return strings.Join(words, " ")
 }
 
-// runBatch runs the messages of lines in one transaction (or none) and returns their status lines, or a
-// fatal error (the connection is gone; nothing is to be written then: the dispatcher treats
-// the exit as a crash and puts the rows back).
+// runBatch runs the messages of lines in one transaction (or none) and returns their status
+// lines and the lines it left for the next batch (see runTx), or a fatal error (the connection
+// is gone; nothing is to be written then: the dispatcher treats the exit as a crash and puts
+// the rows back).
 //
 // The design, and its round trips. Commits are the expensive part (one WAL flush each), so the
 // batch has one. Within it, a message's work must be undoable alone, which takes a savepoint
@@ -579,9 +608,10 @@ func (r *reply) words() string {
 //     statement on m.Tx (or in the same request as an outcome written at once).
 //   - The outcome of a handler that has sent nothing when it chooses Advance, Done or Defer is
 //     not written at once but kept, with the state as it was then; after the handler returns
-//     nil it joins the batch's one outcome statement (see writeOutcomes). Such a message has
-//     nothing of its own to undo, so it needs no savepoint at all. If the handler sends a
-//     statement after choosing, its outcome is written in its savepoint when it returns.
+//     nil it joins the batch's one outcome statement (see writeOutcomes), which runs after the
+//     transaction. Such a message has nothing of its own to undo or to commit with, so it
+//     needs no savepoint and no transaction. If the handler sends a statement after choosing,
+//     its outcome is written in its savepoint when it returns.
 //   - A fused stage (ServeStages) is one more link of the message's pass, with a lazy
 //     savepoint of its own (nested in its predecessor's when that one is open), opened
 //     together with the move of the row to its stage. An advance that leads to it is always
@@ -590,15 +620,17 @@ func (r *reply) words() string {
 //     batch that needs none runs its load and its outcome statement as two statements of their
 //     own, each atomic; nothing is held between them that a transaction would have held (the
 //     load locks nothing, and READ COMMITTED gives each statement its own snapshot).
+//   - So only the messages that write take savepoints, and the batch is bounded by those: it
+//     takes no further message once the next could open more than maxSubxids. Messages that
+//     do not write make batches of up to maxBatch; no batch takes messages past maxBatchTime.
 //
 // Requests per batch of N messages whose handlers leave m.Tx alone: the load and the outcome
 // statement — 2, whatever N is and whatever they fuse. A handler that uses m.Tx adds one
 // request for BEGIN (the first in the batch only) and its SAVEPOINT, its own statements, its
-// outcome UPDATE, and the COMMIT at the end; the kept outcomes then join the transaction, in a
-// savepoint of their own (one more request). A failed message that wrote adds a ROLLBACK TO.
+// outcome UPDATE, and the COMMIT at the end. A failed message that wrote adds a ROLLBACK TO.
 // Writing every outcome at once in its own savepoint (the simple way) would cost N + 3
 // requests, N statements to parse and plan, and N subtransaction XIDs per batch.
-func (s *server) runBatch(ctx context.Context, lines []string) ([]byte, error) {
+func (s *server) runBatch(ctx context.Context, lines []string) (out []byte, rest []string, err error) {
 	replies := make([]reply, len(lines))
 	ids := make([]int64, 0, len(lines))
 	for i, line := range lines {
@@ -611,37 +643,45 @@ func (s *server) runBatch(ctx context.Context, lines []string) ([]byte, error) {
 		ids = append(ids, id)
 	}
 	if len(ids) == 0 {
-		return formatReplies(replies), nil
+		return formatReplies(replies), nil, nil
 	}
-	if err := s.runTx(ctx, replies, ids); err != nil {
+	ran, err := s.runTx(ctx, replies, ids)
+	if err != nil {
 		if ctx.Err() != nil {
-			return nil, fmt.Errorf("run batch of %d ids: %w", len(ids), ctx.Err())
+			return nil, nil, fmt.Errorf("run batch of %d ids: %w", len(ids), ctx.Err())
 		}
 		if errors.Is(err, ErrConnectionLost) || errors.Is(err, errTxOwned) {
-			return nil, fmt.Errorf("run batch of %d ids: %w", len(ids), err)
+			return nil, nil, fmt.Errorf("run batch of %d ids: %w", len(ids), err)
 		}
 		if s.sess.lost() {
-			return nil, fmt.Errorf("run batch of %d ids: %w (%w)", len(ids), err, ErrConnectionLost)
+			return nil, nil, fmt.Errorf("run batch of %d ids: %w (%w)", len(ids), err, ErrConnectionLost)
 		}
-		// The transaction is gone with everything in it: every message of the batch fails,
+		// The transaction is gone with everything in it: every message it ran fails,
 		// including those whose handler succeeded.
-		for i := range replies {
+		for i := range replies[:ran] {
 			if !replies[i].done { // a failure already decided keeps its own reason
 				replies[i].fail(err.Error())
 			}
 		}
 	}
-	return formatReplies(replies), nil
+	return formatReplies(replies[:ran]), lines[ran:], nil
 }
 
-// runTx is one batch transaction. It fills replies; an error means the transaction was rolled
-// back (or is lost) and every message fails with it. Without a transaction begun, nothing is
-// written before the kept outcomes, and nothing after them can fail, so an error still means
-// that nothing of the batch was written.
-func (s *server) runTx(ctx context.Context, replies []reply, ids []int64) (err error) {
+// runTx is one batch: the load, the messages of replies in order, the transaction's COMMIT if
+// a handler began one, then the kept outcomes in one statement of their own. It fills
+// replies[:ran]; the messages after those are for the next batch: the next one could have
+// taken more savepoints than maxSubxids allows, or the batch had run for batchTime.
+//
+// An error means that the transaction was rolled back (or is lost) and every message run
+// fails with it; nothing of the batch is written then, because the kept outcomes come last,
+// after the COMMIT, and fail only their own messages (or end the process, should the
+// connection break).
+func (s *server) runTx(ctx context.Context, replies []reply, ids []int64) (ran int, err error) {
+	start := time.Now()
+	ran = len(replies)
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
-		return fmt.Errorf("begin batch transaction: %w", err)
+		return ran, fmt.Errorf("begin batch transaction: %w", err)
 	}
 	s.sess.beginTx()
 	defer func() {
@@ -653,13 +693,18 @@ func (s *server) runTx(ctx context.Context, replies []reply, ids []int64) (err e
 	}()
 	rows, err := s.loadRows(ctx, tx, ids)
 	if err != nil {
-		return err
+		return ran, err
 	}
 	var kept []keptOutcome
+	perPass := 1 + len(s.views) // savepoints a message's pass may open
 	for i := range replies {
 		r := &replies[i]
 		if r.done {
 			continue
+		}
+		if i > 0 && (s.sess.savepointsOpened()+perPass > maxSubxids || time.Since(start) >= s.batchTime) {
+			ran = i
+			break
 		}
 		row, ok := rows[r.id]
 		if !ok {
@@ -669,7 +714,7 @@ func (s *server) runTx(ctx context.Context, replies []reply, ids []int64) (err e
 		delete(rows, r.id) // the same id twice in a batch finds its claim taken the second time
 		final, fused, reason, err := s.runMessage(ctx, tx, i, row)
 		if err != nil {
-			return err
+			return ran, err
 		}
 		if reason != "" {
 			r.fail(reason)
@@ -680,15 +725,18 @@ func (s *server) runTx(ctx context.Context, replies []reply, ids []int64) (err e
 			kept = append(kept, keptOutcome{index: i, m: final})
 		}
 	}
+	s.wrote = s.sess.began()
+	if err := tx.Commit(); err != nil {
+		return ran, fmt.Errorf("commit batch transaction: %w", err)
+	}
 	if len(kept) > 0 {
-		if err := s.writeOutcomes(ctx, tx, kept, replies); err != nil {
-			return err
+		if err := s.writeOutcomes(ctx, kept, replies); err != nil {
+			// Only a lost connection ends up here: the process exits without replies, and
+			// the dispatcher recovers the rows whose outcomes it does not find written.
+			return ran, fmt.Errorf("write %d outcomes: %w (%w)", len(kept), err, ErrConnectionLost)
 		}
 	}
-	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("commit batch transaction: %w", err)
-	}
-	return nil
+	return ran, nil
 }
 
 // loadedRow is a message's row as loaded at the start of the batch.
@@ -911,20 +959,22 @@ const outcomeQuery = `UPDATE workqueue AS w SET stage = coalesce(v.stage, w.stag
 RETURNING w.workqueue_id`
 
 // writeOutcomes writes the kept outcomes in one statement (outcomeQuery), each row under the
-// same guard as a single outcome, and fails the messages whose row it did not find.
-// In a begun transaction the statement runs in a savepoint of its own, outside one alone:
-// should it fail (say one state that jsonb rejects), it is undone and the outcomes are written
-// one by one, each in its own savepoint (or alone), so that one bad message does not fail the
-// batch. A kept outcome is that of the
-// last stage of its pass; every row is still running at the claimed stage (no stage of a pass
-// with a kept outcome has written), which is the guard. One by one, an outcome of a fused stage
-// that is refused for another reason than a lost claim falls back to the advance that led to
-// that stage, as a failure of the fused stage's handler does.
-func (s *server) writeOutcomes(ctx context.Context, tx *sql.Tx, kept []keptOutcome, replies []reply) error {
+// same guard as a single outcome, and fails the messages whose row it did not find. It runs
+// after the batch's transaction, alone: a kept outcome has nothing to commit with (no stage of
+// its pass wrote), and outside the transaction it takes no savepoint, so that the savepoints of
+// the messages that write are all that maxSubxids has to count. Should the statement fail (say
+// one state that jsonb rejects), nothing of it is written, and the outcomes are written one by
+// one, so that one bad message fails alone. A kept outcome is that of the last stage of its
+// pass; every row is still running at the claimed stage, which is the guard. One by one, an
+// outcome of a fused stage that is refused for another reason than a lost claim falls back to
+// the advance that led to that stage, as a failure of the fused stage's handler does.
+//
+// It returns an error only when the connection is lost.
+func (s *server) writeOutcomes(ctx context.Context, kept []keptOutcome, replies []reply) error {
+	s.sess.setLink(spLink{}) // no savepoint: there is no transaction
 	if len(kept) == 1 {
-		// One outcome: its UPDATE shares the savepoint's round trip (if it needs one), which
-		// the prepared statement cannot; there is no list to parse and plan.
-		return s.writeOutcome(ctx, tx, kept[0], &replies[kept[0].index])
+		// One outcome: no list to parse and plan.
+		return s.writeOutcome(ctx, kept[0], &replies[kept[0].index])
 	}
 	ids := make([]int64, len(kept))
 	stages := make([]sql.NullString, len(kept))
@@ -939,31 +989,15 @@ func (s *server) writeOutcomes(ctx context.Context, tx *sql.Tx, kept []keptOutco
 		retryAts[i] = sql.NullString{String: c.retryAt, Valid: c.retryAt != ""}
 		states[i] = string(k.m.kept.state)
 	}
-
-	s.sess.setLink(spLink{name: "pepsi_outcomes"})
-	// A prepared statement cannot share its round trip with the savepoint, as the text of the
-	// VALUES form did: one more round trip for a batch in a transaction, against its parse and
-	// plan. Without a transaction there is no savepoint to make.
-	var written map[int64]bool
-	var err error
-	if prefix := s.sess.savepointPrefix(); prefix != "" {
-		_, err = tx.ExecContext(ctx, prefix)
-	}
-	if err == nil {
-		written, err = queryIDs(ctx, tx.StmtContext(ctx, s.outcome), pq.Array(ids), pq.GenericArray{A: stages},
-			pq.Array(statuses), pq.GenericArray{A: retryAts}, pq.Array(states), s.cfg.Stage)
-	}
-
+	written, err := queryIDs(ctx, s.outcome, pq.Array(ids), pq.GenericArray{A: stages},
+		pq.Array(statuses), pq.GenericArray{A: retryAts}, pq.Array(states), s.cfg.Stage)
 	if err != nil {
 		if s.sess.lost() {
-			return fmt.Errorf("write %d outcomes: %w", len(kept), err)
-		}
-		if rerr := s.sess.rollbackMessage(ctx, tx); rerr != nil {
-			return fmt.Errorf("write %d outcomes: %w; then %w", len(kept), err, rerr)
+			return err
 		}
 		s.log.Warn("outcome statement failed; writing the outcomes one by one", "outcomes", len(kept), "error", err)
 		for _, k := range kept {
-			if err := s.writeOutcome(ctx, tx, k, &replies[k.index]); err != nil {
+			if err := s.writeOutcome(ctx, k, &replies[k.index]); err != nil {
 				return err
 			}
 		}
@@ -978,18 +1012,18 @@ func (s *server) writeOutcomes(ctx context.Context, tx *sql.Tx, kept []keptOutco
 	return nil
 }
 
-// writeOutcome writes one kept outcome in a savepoint of its own, falling back along the
-// pass to the advance that led to a fused stage whose outcome is refused.
-func (s *server) writeOutcome(ctx context.Context, tx *sql.Tx, k keptOutcome, r *reply) error {
+// writeOutcome writes one kept outcome alone, falling back along the pass to the advance that
+// led to a fused stage whose outcome is refused. It returns an error only when the connection
+// is lost.
+func (s *server) writeOutcome(ctx context.Context, k keptOutcome, r *reply) error {
 	for m := k.m; ; m = m.link.prev {
-		s.sess.setLink(spLink{name: "pepsi_outcome_" + strconv.Itoa(k.index)})
-		err := m.update(ctx, tx, m.kept.change, m.kept.state, s.cfg.Stage)
+		err := m.update(ctx, s.db, m.kept.change, m.kept.state, s.cfg.Stage)
 		if err == nil {
 			r.fallBackTo(m)
 			return nil
 		}
-		if rerr := s.sess.rollbackMessage(ctx, tx); rerr != nil {
-			return rerr
+		if s.sess.lost() {
+			return err
 		}
 		if m.link.prev == nil || errors.Is(err, ErrClaimLost) {
 			r.fail(err.Error())
@@ -1254,6 +1288,11 @@ func (m *Message) outcomeNamed(ctx context.Context, what string, write func(tx *
 	return nil
 }
 
+// execer is a transaction, or the database for a statement of its own.
+type execer interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+}
+
 // stateJSON encodes the state for the outcome's UPDATE.
 func (m *Message) stateJSON() ([]byte, error) {
 	if m.State == nil {
@@ -1272,7 +1311,7 @@ func (m *Message) stateJSON() ([]byte, error) {
 // guard is the stage the row is running at in the transaction: m.Stage inside the message's
 // own savepoint (a fused stage's savepoint moves the row there), the claimed stage for an
 // outcome kept until the end of the batch.
-func (m *Message) update(ctx context.Context, tx *sql.Tx, c change, state []byte, guard string) error {
+func (m *Message) update(ctx context.Context, tx execer, c change, state []byte, guard string) error {
 	set := "status = " + pq.QuoteLiteral(c.status)
 	if c.stage != "" {
 		// An advance resets attempts: MAX_ATTEMPTS counts failures at one stage.

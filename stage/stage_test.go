@@ -22,6 +22,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/lib/pq"
+
 	"pepsi-dispatch/internal/pgtest"
 )
 
@@ -979,6 +981,94 @@ func TestKeptOutcomesWithoutTransaction(t *testing.T) {
 			t.Errorf("%s row %d: %s/%s, want %s/%s", c.note, c.id, stage, status, c.stage, c.status)
 		}
 	}
+}
+
+// What bounds a batch. Messages whose handlers leave m.Tx alone take no savepoint: 200 of them
+// are one batch, 2 requests. Messages that write take one savepoint each, and PostgreSQL caches
+// 64 subtransactions: 70 of them are two batches, 64 and 6. A pass through two fused stages
+// that all write takes 3: 30 of them are batches of 21 and 9. And a batch takes no message
+// after it has run for batchTime.
+func TestBatchBounds(t *testing.T) {
+	sch := newSchema(t)
+	putN := func(n int, payload string) []int64 {
+		ids := make([]int64, n)
+		for i := range ids {
+			ids[i] = sch.put(t, "a", "running", payload)
+		}
+		return ids
+	}
+	check := func(t *testing.T, sv *serving, ids []int64, wantWrites int, wantPeak int) {
+		t.Helper()
+		sv.send(t, ids...)
+		for i, r := range sv.replies(t, len(ids)) {
+			if !strings.HasPrefix(r, "0") {
+				t.Fatalf("reply %d: %q", i, r)
+			}
+		}
+		if n := sv.out.count(); n != wantWrites {
+			t.Errorf("%d writes for %d messages, want %d", n, len(ids), wantWrites)
+		}
+		sv.sess.mu.Lock()
+		peak := sv.sess.peak
+		sv.sess.mu.Unlock()
+		if peak != wantPeak {
+			t.Errorf("the most savepoints of a batch: %d, want %d", peak, wantPeak)
+		}
+	}
+	t.Run("no writes", func(t *testing.T) {
+		ids := putN(200, `{}`)
+		sv := serve(t, sch, func(ctx context.Context, m *Message) error { return m.Advance("b") })
+		before := sv.statements()
+		check(t, sv, ids, 1, 0)
+		if got := sv.statements() - before; got != 2 {
+			t.Errorf("%d requests for a batch of 200 without writes, want 2", got)
+		}
+	})
+	t.Run("writes", func(t *testing.T) {
+		ids := putN(70, `{}`)
+		sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+			if _, err := m.Tx.ExecContext(ctx, `INSERT INTO side (id) VALUES ($1)`, m.ID); err != nil {
+				return err
+			}
+			return m.Advance("b")
+		})
+		check(t, sv, ids, 2, maxSubxids)
+	})
+	t.Run("fused writes", func(t *testing.T) {
+		ids := putN(30, `{}`)
+		write := func(next string, k int64) Handler {
+			return func(ctx context.Context, m *Message) error {
+				if _, err := m.Tx.ExecContext(ctx, `INSERT INTO side (id, note) VALUES ($1, $2)`, 10*m.ID+k, m.Stage); err != nil {
+					return err
+				}
+				if next == "" {
+					return m.Done()
+				}
+				return m.Advance(next)
+			}
+		}
+		sv := serveFused(t, sch, Config{Stage: "a", Next: []string{"b"}, Fuse: map[string][]string{"b": {"c"}, "c": {}}},
+			map[string]Handler{"a": write("b", 1), "b": write("c", 2), "c": write("", 3)})
+		check(t, sv, ids, 2, 63)
+		if n := sch.int(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = ANY($1) AND stage = 'c' AND status = 'done'`, pq.Array(ids)); n != len(ids) {
+			t.Errorf("%d of %d messages through the fused stages", n, len(ids))
+		}
+	})
+	t.Run("time", func(t *testing.T) {
+		ids := putN(6, `{}`)
+		sv := serveFused(t, sch, Config{Stage: "a", Next: []string{"b"}, hooks: &testHooks{batchTime: 40 * time.Millisecond}},
+			map[string]Handler{"a": func(ctx context.Context, m *Message) error {
+				time.Sleep(25 * time.Millisecond) // the work: a batch of 6 would take 150 ms
+				return m.Advance("b")
+			}})
+		sv.send(t, ids...)
+		sv.replies(t, len(ids))
+		// 25 ms, 50 ms: the third message finds the batch over its 40 ms. Without the bound:
+		// one write; a slower machine makes more.
+		if n := sv.out.count(); n < 3 {
+			t.Errorf("%d writes for 6 messages of 25 ms with a batch time of 40 ms, want 3 or more", n)
+		}
+	})
 }
 
 // A cancelled context ends Serve at its next batch, without replies: nothing is committed.
