@@ -460,10 +460,13 @@ func (b *bench) report(chartPath string) string {
 	p("Every stage: `QUEUE_LIMIT = %d`, `MAX_MESSAGES = %d`; everything else default (POLL_INTERVAL 30 s, STATS_INTERVAL 60 s, ",
 		b.pepsiQueueLimit, b.pepsiMaxMessages)
 	p("DB_POOL_SIZE 8); `USER = nobody` when run as root. Why: the 2 cores are shared by the dispatcher, the workers ")
-	p("and PostgreSQL, and a worker spends most of a batch waiting for its commit's WAL flush; the SDK runs up to 64 ")
-	p("queued ids as one transaction, so QUEUE_LIMIT = 64 gives every commit a full batch, and 8 workers (512 messages ")
-	p("in flight) keep several commits in flight. A short sweep on this machine (quick W1, 2 runs each, noisy) gave ")
-	p("PARALLELISM × QUEUE_LIMIT = 4 × 64: 7–14k/s, 8 × 64: 7–16.5k/s, 8 × 32: 8.5–12k/s, 16 × 32: 11.7–12.4k/s. ")
+	p("and PostgreSQL, and a worker spends most of a batch waiting for its commit's WAL flush and, between batches, for ")
+	p("the dispatcher's next claim; the SDK runs every queued id (up to 256) as one batch, so QUEUE_LIMIT = 256 gives ")
+	p("each worker full batches and the next ids already in its pipe, and 8 workers (2,048 messages in flight, as River's ")
+	p("2,000 workers) keep several commits in flight. A side-by-side sweep on this machine (W1, 5 runs each, pepsi over ")
+	p("the raw loop at 4 × 128, two rounds, with the SDK's earlier 64-id batches): QUEUE_LIMIT 64: 1.11×, 0.90×; 128: ")
+	p("1.19×, 1.06×; 256: 1.24×, 1.29×. An earlier sweep (quick W1, 2 runs each) gave PARALLELISM × QUEUE_LIMIT = ")
+	p("4 × 64: 7–14k/s, 8 × 64: 7–16.5k/s, 8 × 32: 8.5–12k/s, 16 × 32: 11.7–12.4k/s. ")
 	p("MAX_MESSAGES is raised from its default (1000), which recycles each worker (a new process and connection) every ")
 	p("16 batches: in the same sweep the default cost about 20 %% more CPU per transition (113–124 vs 91–97 ms per ")
 	p("1,000) for no throughput.\n")
@@ -482,8 +485,8 @@ func (b *bench) report(chartPath string) string {
 	p("(stage, id) order whatever the statistics say, the UPDATE fetches the picked ids by primary key), plus `FOR UPDATE ")
 	p("SKIP LOCKED` since several claim, then writes each row's outcome with the ")
 	p("SDK's guarded per-row UPDATE, all of a claim's rows in one transaction sent pipelined. As many messages in flight ")
-	p("as pepsi (%d); fewer, bigger claims did best in a short sweep (4 × 64: ~4k/s, 8 × 32: ~3k/s, 4 × 128: ~10.5k/s ", b.rawWorkers*b.rawBatch)
-	p("on quick W1, with an earlier claim shape). Sessions are named `pepsi-…` like pepsi's, so the requeue trigger skips them the same way. A ")
+	p("as pepsi (%d); fewer, bigger claims did best in short sweeps (4 × 64: ~4k/s, 8 × 32: ~3k/s, 4 × 128: ~10.5k/s ", b.rawWorkers*b.rawBatch)
+	p("on quick W1, with an earlier claim shape; W1, 5 runs each, two rounds: medians 4 × 128: 39.9k, 45.2k/s; 4 × 512: 55.2k, 56.1k/s). Sessions are named `pepsi-…` like pepsi's, so the requeue trigger skips them the same way. A ")
 	p("`LISTEN workqueue` connection wakes idle goroutines.\n")
 	sz := b.sz
 	p("- **workloads**: W1 (after one unmeasured warm-up run of each system, for cold caches) %s messages enqueued in one transaction while the system runs idle, timed from that commit ",

@@ -38,12 +38,12 @@ const (
 	riverDefaultMaxWorkers  = 100
 )
 
-// Raw loop defaults: goroutines, each with its own connection, and the claim size: 4 × 128 rows
-// in flight, as many as pepsi's 8 workers × QUEUE_LIMIT 64. (More goroutines with smaller
+// Raw loop defaults: goroutines, each with its own connection, and the claim size: 4 × 512 rows
+// in flight, as many as pepsi's 8 workers × QUEUE_LIMIT 256. (More goroutines with smaller
 // claims did worse here: every claimer walks the same head of the pending index.)
 const (
 	rawWorkersDefault = 4
-	rawBatchDefault   = 128
+	rawBatchDefault   = 512
 )
 
 // benchArgs is the River job of every workload: message Msg at stage Stage of Last stages. A

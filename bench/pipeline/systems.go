@@ -490,7 +490,7 @@ func (p *sutProc) readStamps(ctx context.Context) (map[int64]int64, error) {
 // several stages divides it among them (stageParallelism).
 const (
 	pepsiWorkers     = 8
-	pepsiQueueLimit  = 64
+	pepsiQueueLimit  = 256
 	pepsiMaxMessages = 1000000
 )
 
