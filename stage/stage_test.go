@@ -1071,6 +1071,116 @@ func TestBatchBounds(t *testing.T) {
 	})
 }
 
+// A context cancelled while a batch runs ends Serve before the outcomes are written, without
+// replies: the dispatcher recovers the rows, which are untouched. (database/sql refuses the
+// Commit of a transaction whose context is done, and the outcome statement after it checks
+// ctx as well: either alone keeps the replies back.)
+func TestContextCancelledInBatch(t *testing.T) {
+	sch := newSchema(t)
+	ids := []int64{sch.put(t, "a", "running", `{}`), sch.put(t, "a", "running", `{"cancel": true}`)}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	inR, inW := io.Pipe()
+	defer inW.Close()
+	out := newRecorder()
+	done := make(chan error, 1)
+	go func() {
+		done <- Serve(ctx, Config{Stage: "a", DSN: sch.dsn}, inR, out, func(_ context.Context, m *Message) error {
+			if strings.Contains(string(m.Payload), "cancel") {
+				cancel() // as a shutdown would, while the batch runs
+			}
+			return m.Done()
+		})
+		inR.Close()
+	}()
+	if _, err := io.WriteString(inW, fmt.Sprintf("%d\n%d\n", ids[0], ids[1])); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("serve: %v, want context.Canceled", err)
+		}
+	case <-time.After(waitTimeout):
+		t.Fatal("timed out waiting for serve to return")
+	}
+	if n := out.count(); n != 0 {
+		t.Errorf("%d writes after the cancel", n)
+	}
+	for _, id := range ids {
+		if _, status, _ := sch.rowOf(t, id); status != "running" {
+			t.Errorf("row %d became %s", id, status)
+		}
+	}
+}
+
+// The outcome statement's plans, custom and generic, find the rows by primary key even when
+// the statistics were taken before the rows were running (they then say "1 row running"): no
+// plan scans the table, and none compares every running row with every element.
+func TestOutcomePlan(t *testing.T) {
+	sch := newSchema(t)
+	sch.exec(t, `INSERT INTO workqueue (stage, payload) SELECT 'a', jsonb_build_object('n', g) FROM generate_series(1, 33334) g`)
+	sch.exec(t, `ANALYZE workqueue`)
+	sch.exec(t, `UPDATE workqueue SET status = 'running' WHERE workqueue_id IN (SELECT workqueue_id FROM workqueue ORDER BY 1 LIMIT 2048)`)
+	var ids []int64
+	rows, err := sch.db.Query(`SELECT workqueue_id FROM workqueue WHERE status = 'running' ORDER BY 1 LIMIT 256`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	rows.Close()
+	n := len(ids)
+	stages, statuses, retryAts, states := make([]sql.NullString, n), make([]string, n), make([]sql.NullString, n), make([]string, n)
+	for i := range ids {
+		stages[i] = sql.NullString{String: "b", Valid: true}
+		statuses[i], states[i] = "pending", "{}"
+	}
+	ctx := context.Background()
+	conn, err := sch.db.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+		if _, err := conn.ExecContext(ctx, "SET plan_cache_mode = "+mode); err != nil {
+			t.Fatal(err)
+		}
+		// EXPLAIN of a prepared statement, as the SDK runs it (database/sql prepares it).
+		st, err := conn.PrepareContext(ctx, "EXPLAIN "+outcomeQuery)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rs, err := st.QueryContext(ctx, pq.Array(ids), pq.GenericArray{A: stages}, pq.Array(statuses),
+			pq.GenericArray{A: retryAts}, pq.Array(states), "a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var plan []string
+		for rs.Next() {
+			var line string
+			if err := rs.Scan(&line); err != nil {
+				t.Fatal(err)
+			}
+			plan = append(plan, line)
+		}
+		rs.Close()
+		st.Close()
+		text := strings.Join(plan, "\n")
+		if strings.Contains(text, "Seq Scan on workqueue") || !strings.Contains(text, "Index Cond: (workqueue_id = ANY") {
+			t.Errorf("%s: the outcome statement does not find its rows by primary key:\n%s", mode, text)
+		}
+		if strings.Contains(text, "Join Filter: (w.workqueue_id = v.id)") {
+			t.Errorf("%s: the outcome statement compares rows with elements one by one:\n%s", mode, text)
+		}
+	}
+}
+
 // A cancelled context ends Serve at its next batch, without replies: nothing is committed.
 func TestContextCancelled(t *testing.T) {
 	sch := newSchema(t)
