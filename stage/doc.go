@@ -171,8 +171,8 @@
 // the handler returned, together with the batch's other kept outcomes, in one statement that
 // keeps each row's guard (RETURNING tells which rows it found; the others fail as claim lost).
 // A batch of N messages whose handlers do not use Message.Tx thus costs 2 round trips (the load
-// and the outcome statement, prepared once per connection so that PostgreSQL does not parse
-// and plan it per batch) instead of N + 3, fused stages included: their outcome replaces the
+// and the outcome statement, whose arrays are literals so that PostgreSQL plans it for the
+// batch's size) instead of N + 3, fused stages included: their outcome replaces the
 // advance in that statement. Should the outcome statement fail, the outcomes are written one
 // by one, so that one bad message fails alone. A handler that does use Message.Tx adds one
 // round trip for BEGIN (the batch's first) and its SAVEPOINT, its own statements, and its
