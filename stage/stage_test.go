@@ -78,6 +78,28 @@ func (s *schema) exec(t testing.TB, q string, args ...any) {
 	}
 }
 
+// ids returns the one bigint column of q's rows.
+func (s *schema) ids(t testing.TB, q string, args ...any) []int64 {
+	t.Helper()
+	rows, err := s.db.Query(q, args...)
+	if err != nil {
+		t.Fatalf("%s: %v", q, err)
+	}
+	defer rows.Close()
+	var ids []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+		ids = append(ids, id)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatalf("%s: %v", q, err)
+	}
+	return ids
+}
+
 func (s *schema) int(t testing.TB, q string, args ...any) int {
 	t.Helper()
 	var n int
@@ -788,19 +810,7 @@ func TestRunProcess(t *testing.T) {
 func TestManyMessages(t *testing.T) {
 	sch := newSchema(t)
 	sch.exec(t, `INSERT INTO workqueue (stage, status, payload) SELECT 'a', 'running', jsonb_build_object('n', i) FROM generate_series(1, 500) i`)
-	rows, err := sch.db.Query(`SELECT workqueue_id FROM workqueue ORDER BY workqueue_id`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var ids []int64
-	for rows.Next() {
-		var id int64
-		if err := rows.Scan(&id); err != nil {
-			t.Fatal(err)
-		}
-		ids = append(ids, id)
-	}
-	rows.Close()
+	ids := sch.ids(t, `SELECT workqueue_id FROM workqueue ORDER BY workqueue_id`)
 	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
 		if m.ID%7 == 0 {
 			return errors.New("seven " + strconv.FormatInt(m.ID, 10))
@@ -1122,19 +1132,7 @@ func TestOutcomePlan(t *testing.T) {
 	sch.exec(t, `INSERT INTO workqueue (stage, payload) SELECT 'a', jsonb_build_object('n', g) FROM generate_series(1, 33334) g`)
 	sch.exec(t, `ANALYZE workqueue`)
 	sch.exec(t, `UPDATE workqueue SET status = 'running' WHERE workqueue_id IN (SELECT workqueue_id FROM workqueue ORDER BY 1 LIMIT 2048)`)
-	var ids []int64
-	rows, err := sch.db.Query(`SELECT workqueue_id FROM workqueue WHERE status = 'running' ORDER BY 1 LIMIT 256`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for rows.Next() {
-		var id int64
-		if err := rows.Scan(&id); err != nil {
-			t.Fatal(err)
-		}
-		ids = append(ids, id)
-	}
-	rows.Close()
+	ids := sch.ids(t, `SELECT workqueue_id FROM workqueue WHERE status = 'running' ORDER BY 1 LIMIT 256`)
 	n := len(ids)
 	stages, statuses, retryAts, states := make([]sql.NullString, n), make([]string, n), make([]sql.NullString, n), make([]string, n)
 	for i := range ids {
