@@ -44,7 +44,6 @@ type session struct {
 	tx         txState      // the batch transaction, as the server sees it
 	savepoints int          // SAVEPOINT statements sent in the batch: at most one subtransaction XID each
 	peak       int          // the most savepoints a batch opened (tests check it against maxSubxids)
-	begun      bool         // the batch sent BEGIN
 }
 
 // txState is where the batch transaction stands.
@@ -69,7 +68,6 @@ func (s *session) beginTx() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.last, s.link, s.broken, s.savepoints = "", spLink{}, nil, 0
-	s.begun = s.tx == txBegun
 }
 
 // savepointsOpened returns the savepoints the batch has opened so far (see maxSubxids).
@@ -79,11 +77,11 @@ func (s *session) savepointsOpened() int {
 	return s.savepoints
 }
 
-// began reports whether the batch began a transaction on the server.
+// began reports whether the batch has begun its transaction on the server (before its end).
 func (s *session) began() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.begun
+	return s.tx == txBegun
 }
 
 // setLink makes l the savepoint that the next statement needs (savepointPrefix): a message's,
@@ -156,7 +154,7 @@ func (s *session) savepointPrefixLocked() string {
 	var b strings.Builder
 	if s.tx == txLazy {
 		b.WriteString("BEGIN; ")
-		s.tx, s.begun = txBegun, true
+		s.tx = txBegun
 	}
 	if !l.nested {
 		if s.last != "" {
@@ -329,7 +327,8 @@ func (c *wrappedConn) Begin() (driver.Tx, error) {
 }
 
 // BeginTx begins the batch transaction lazily (see the top of the file): the first savepoint
-// sends BEGIN. Options other than the defaults, which the SDK never asks for, begin at once.
+// sends BEGIN. The SDK is the only caller (handlers get a transaction, not the database), and
+// it asks for the defaults: a plain BEGIN.
 func (c *wrappedConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
 	c.sess.mu.Lock()
 	defer c.sess.mu.Unlock()
@@ -337,14 +336,9 @@ func (c *wrappedConn) BeginTx(ctx context.Context, opts driver.TxOptions) (drive
 		return nil, errors.New("begin transaction: the stage SDK's connection is in one already")
 	}
 	if opts.Isolation != driver.IsolationLevel(sql.LevelDefault) || opts.ReadOnly {
-		c.sess.statements++
-		if _, err := c.inner.BeginTx(ctx, opts); err != nil {
-			return nil, err
-		}
-		c.sess.tx = txBegun
-	} else {
-		c.sess.tx = txLazy
+		return nil, errors.New("begin transaction: the stage SDK begins only default transactions")
 	}
+	c.sess.tx = txLazy
 	return &wrappedTx{conn: c}, nil
 }
 

@@ -968,13 +968,9 @@ func outcomeStatement(ids []int64, stages []sql.NullString, statuses []string, r
 		if err != nil {
 			return "", fmt.Errorf("outcome statement: encode array %d: %w", i+1, err)
 		}
-		text, ok := v.(string)
+		text, ok := v.(string) // lib/pq's arrays encode as text; a nil slice as NULL
 		if !ok {
-			b, isBytes := v.([]byte)
-			if !isBytes {
-				return "", fmt.Errorf("outcome statement: array %d encodes as %T", i+1, v)
-			}
-			text = string(b)
+			return "", fmt.Errorf("outcome statement: array %d encodes as %T, not text", i+1, v)
 		}
 		lits[i] = pq.QuoteLiteral(text)
 	}
@@ -1346,7 +1342,7 @@ func (m *Message) stateJSON() ([]byte, error) {
 // guard is the stage the row is running at in the transaction: m.Stage inside the message's
 // own savepoint (a fused stage's savepoint moves the row there), the claimed stage for an
 // outcome kept until the end of the batch.
-func (m *Message) update(ctx context.Context, tx execer, c change, state []byte, guard string) error {
+func (m *Message) update(ctx context.Context, on execer, c change, state []byte, guard string) error {
 	set := "status = " + pq.QuoteLiteral(c.status)
 	if c.stage != "" {
 		// An advance resets attempts: MAX_ATTEMPTS counts failures at one stage.
@@ -1359,7 +1355,7 @@ func (m *Message) update(ctx context.Context, tx execer, c change, state []byte,
 		"UPDATE workqueue SET " + set + ", state = " + pq.QuoteLiteral(string(state)) + "::jsonb" +
 		" WHERE workqueue_id = " + strconv.FormatInt(m.ID, 10) +
 		" AND status = 'running' AND stage = " + pq.QuoteLiteral(guard)
-	res, err := tx.ExecContext(ctx, q)
+	res, err := on.ExecContext(ctx, q)
 	if err != nil {
 		return fmt.Errorf("%s message %d: %w", c.what, m.ID, err)
 	}

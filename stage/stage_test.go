@@ -568,21 +568,16 @@ func TestRoundTrips(t *testing.T) {
 		}
 		return m.Advance("b")
 	})
-	statements := func() int64 {
-		sv.sess.mu.Lock()
-		defer sv.sess.mu.Unlock()
-		return sv.sess.statements
-	}
-	before := statements()
+	before := sv.statements()
 	sv.send(t, ids...)
 	sv.replies(t, len(ids))
-	if got := statements() - before; got != 2 {
+	if got := sv.statements() - before; got != 2 {
 		t.Errorf("batch of %d: %d requests, want 2 (load, outcomes)", len(ids), got)
 	}
-	before = statements()
+	before = sv.statements()
 	sv.send(t, touch)
 	sv.replies(t, 1)
-	if got := statements() - before; got != 5 {
+	if got := sv.statements() - before; got != 5 {
 		t.Errorf("one message with a statement of its own: %d requests, want 5 (load, BEGIN and SAVEPOINT, INSERT, UPDATE, COMMIT)", got)
 	}
 }
@@ -862,6 +857,60 @@ func TestOneLine(t *testing.T) {
 	}
 }
 
+// keptCases is the handler of the kept-outcome tests, by the payload's case: "moved" advances
+// and then waits until the test has taken its claim back (takeBack); "nul" chooses Done with a
+// state that jsonb refuses; "after" advances and then writes in m.Tx (and fails if "fail");
+// any other defers by an hour.
+type keptCases struct {
+	entered, release chan struct{}
+}
+
+func newKeptCases() *keptCases {
+	return &keptCases{entered: make(chan struct{}), release: make(chan struct{})}
+}
+
+func (k *keptCases) handler(ctx context.Context, m *Message) error {
+	p := string(m.Payload)
+	switch {
+	case strings.Contains(p, "moved"):
+		if err := m.Advance("b"); err != nil {
+			return err
+		}
+		close(k.entered)
+		<-k.release
+	case strings.Contains(p, "nul"):
+		m.State["bad"] = "a\x00b" // valid JSON ("\u0000"), refused by jsonb
+		return m.Done()
+	case strings.Contains(p, "after"):
+		if err := m.Advance("c"); err != nil {
+			return err
+		}
+		m.State["late"] = true // after the outcome: not written
+		if _, err := m.Tx.ExecContext(ctx, `INSERT INTO side (id, note) VALUES ($1, 'after')`, m.ID); err != nil {
+			return err
+		}
+		if strings.Contains(p, "fail") {
+			return errors.New("failed after writing")
+		}
+	default:
+		return m.Defer(time.Now().Add(time.Hour))
+	}
+	return nil
+}
+
+// takeBack waits for the "moved" handler, puts its row back to pending as the dispatcher does
+// after a timeout, and lets the handler return.
+func (k *keptCases) takeBack(t *testing.T, sch *schema, id int64) {
+	t.Helper()
+	select {
+	case <-k.entered:
+	case <-time.After(waitTimeout):
+		t.Fatal("timed out waiting for the handler")
+	}
+	sch.exec(t, `UPDATE workqueue SET status = 'pending' WHERE workqueue_id = $1`, id)
+	close(k.release)
+}
+
 // Outcomes kept for the batch's outcome statement: a row that moved meanwhile fails only its
 // message; a state that jsonb rejects fails only its message (the statement falls back to one
 // UPDATE per outcome); an outcome chosen before the handler's own statement is written with it.
@@ -872,44 +921,10 @@ func TestKeptOutcomes(t *testing.T) {
 	writesAfter := sch.put(t, "a", "running", `{"case": "after"}`)
 	failsAfter := sch.put(t, "a", "running", `{"case": "after", "fail": true}`)
 	plain := sch.put(t, "a", "running", `{"case": "plain"}`)
-	entered, release := make(chan struct{}), make(chan struct{})
-	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
-		p := string(m.Payload)
-		switch {
-		case strings.Contains(p, "moved"):
-			if err := m.Advance("b"); err != nil {
-				return err
-			}
-			close(entered)
-			<-release
-		case strings.Contains(p, "nul"):
-			m.State["bad"] = "a\x00b" // valid JSON ("\u0000"), refused by jsonb
-			return m.Done()
-		case strings.Contains(p, "after"):
-			if err := m.Advance("c"); err != nil {
-				return err
-			}
-			m.State["late"] = true // after the outcome: not written
-			if _, err := m.Tx.ExecContext(ctx, `INSERT INTO side (id, note) VALUES ($1, 'after')`, m.ID); err != nil {
-				return err
-			}
-			if strings.Contains(p, "fail") {
-				return errors.New("failed after writing")
-			}
-		default:
-			return m.Defer(time.Now().Add(time.Hour))
-		}
-		return nil
-	})
+	k := newKeptCases()
+	sv := serve(t, sch, k.handler)
 	sv.send(t, moved, badState, writesAfter, failsAfter, plain)
-	select {
-	case <-entered:
-	case <-time.After(waitTimeout):
-		t.Fatal("timed out waiting for the handler")
-	}
-	// The dispatcher took the claim back meanwhile (as after a timeout).
-	sch.exec(t, `UPDATE workqueue SET status = 'pending' WHERE workqueue_id = $1`, moved)
-	close(release)
+	k.takeBack(t, sch, moved)
 	r := sv.replies(t, 5)
 	wantFailure(t, r[0], "claim lost")
 	wantFailure(t, r[1], "unsupported Unicode escape")
@@ -942,51 +957,24 @@ func TestKeptOutcomesWithoutTransaction(t *testing.T) {
 	moved := sch.put(t, "a", "running", `{"case": "moved"}`)
 	badState := sch.put(t, "a", "running", `{"case": "nul"}`)
 	plain := sch.put(t, "a", "running", `{"case": "plain"}`)
-	entered, release := make(chan struct{}), make(chan struct{})
-	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
-		p := string(m.Payload)
-		switch {
-		case strings.Contains(p, "moved"):
-			if err := m.Advance("b"); err != nil {
-				return err
-			}
-			close(entered)
-			<-release
-			return nil
-		case strings.Contains(p, "nul"):
-			m.State["bad"] = "a\x00b"
-			return m.Done()
-		default:
-			return m.Advance("c")
-		}
-	})
-	statements := func() int64 {
-		sv.sess.mu.Lock()
-		defer sv.sess.mu.Unlock()
-		return sv.sess.statements
-	}
-	before := statements()
+	k := newKeptCases()
+	sv := serve(t, sch, k.handler)
+	before := sv.statements()
 	sv.send(t, moved, badState, plain)
-	select {
-	case <-entered:
-	case <-time.After(waitTimeout):
-		t.Fatal("timed out waiting for the handler")
-	}
-	sch.exec(t, `UPDATE workqueue SET status = 'pending' WHERE workqueue_id = $1`, moved)
-	close(release)
+	k.takeBack(t, sch, moved)
 	r := sv.replies(t, 3)
 	wantFailure(t, r[0], "claim lost")
 	wantFailure(t, r[1], "unsupported Unicode escape")
 	if r[2] != "0" {
-		t.Errorf("reply %q for the plain message, want 0", r[2])
+		t.Errorf("reply %q for the deferred message, want 0", r[2])
 	}
-	if got := statements() - before; got != 1+1+3 {
+	if got := sv.statements() - before; got != 1+1+3 {
 		t.Errorf("%d requests, want 5 (load, outcome statement, 3 single outcomes)", got)
 	}
 	for _, c := range []struct {
 		id                  int64
 		stage, status, note string
-	}{{moved, "a", "pending", "claim taken back"}, {badState, "a", "running", "refused state"}, {plain, "c", "pending", "advanced"}} {
+	}{{moved, "a", "pending", "claim taken back"}, {badState, "a", "running", "refused state"}, {plain, "a", "paused", "deferred"}} {
 		if stage, status, _ := sch.rowOf(t, c.id); stage != c.stage || status != c.status {
 			t.Errorf("%s row %d: %s/%s, want %s/%s", c.note, c.id, stage, status, c.stage, c.status)
 		}
@@ -1106,17 +1094,7 @@ func TestContextCancelledInBatch(t *testing.T) {
 	if _, err := io.WriteString(inW, fmt.Sprintf("%d\n%d\n", ids[0], ids[1])); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case err := <-done:
-		if !errors.Is(err, context.Canceled) {
-			t.Errorf("serve: %v, want context.Canceled", err)
-		}
-	case <-time.After(waitTimeout):
-		t.Fatal("timed out waiting for serve to return")
-	}
-	if n := out.count(); n != 0 {
-		t.Errorf("%d writes after the cancel", n)
-	}
+	wantCancelledServe(t, done, out)
 	for _, id := range ids {
 		if _, status, _ := sch.rowOf(t, id); status != "running" {
 			t.Errorf("row %d became %s", id, status)
@@ -1165,6 +1143,22 @@ func TestOutcomePlan(t *testing.T) {
 	}
 }
 
+// wantCancelledServe waits for Serve to return context.Canceled, having written nothing.
+func wantCancelledServe(t *testing.T, done <-chan error, out *recorder) {
+	t.Helper()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("serve: %v, want context.Canceled", err)
+		}
+	case <-time.After(waitTimeout):
+		t.Fatal("timed out waiting for serve to return")
+	}
+	if n := out.count(); n != 0 {
+		t.Errorf("%d writes after the cancel", n)
+	}
+}
+
 // A cancelled context ends Serve at its next batch, without replies: nothing is committed.
 func TestContextCancelled(t *testing.T) {
 	sch := newSchema(t)
@@ -1181,17 +1175,7 @@ func TestContextCancelled(t *testing.T) {
 	}()
 	cancel()
 	io.WriteString(inW, fmt.Sprintf("%d\n", id)) // may fail if Serve saw the cancel first
-	select {
-	case err := <-done:
-		if !errors.Is(err, context.Canceled) {
-			t.Errorf("serve: %v, want context.Canceled", err)
-		}
-	case <-time.After(waitTimeout):
-		t.Fatal("timed out waiting for serve to return")
-	}
-	if n := out.count(); n != 0 {
-		t.Errorf("%d writes after the cancel", n)
-	}
+	wantCancelledServe(t, done, out)
 	if _, status, _ := sch.rowOf(t, id); status != "running" {
 		t.Errorf("row became %s", status)
 	}
