@@ -6,6 +6,7 @@
 // claim token (one sequence value per statement) goes into every claimed row; the dispatcher's
 // later writes to those rows are guarded by it. The statement also returns the earliest due
 // time of paused rows, so retry scheduling costs no query of its own.
+
 package main
 
 import (

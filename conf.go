@@ -4,6 +4,7 @@
 // table over the file's [stage-*] sections. It reads files and rows it is given; it never opens
 // a database connection itself. Every mistake is reported once, at load time, as
 // "FILE:LINE: KEY: what is wrong", so an operator can fix the file without reading code.
+
 package main
 
 import (

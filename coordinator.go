@@ -6,6 +6,7 @@
 // of the loop handles one event, drains whatever else is pending (so per-stage free capacity is
 // current), then settles: writes queued outcomes, returns due paused rows, and claims for every
 // stage with free capacity in one statement. Then it sleeps until the next event or deadline.
+
 package main
 
 import (

@@ -4,6 +4,7 @@
 // race detector when the tests are); workers are a copy of it in a world-readable directory,
 // because a daemon started as root (CI) drops to the account `nobody` before it starts them.
 // Which worker program runs is chosen by PEPSI_TEST_WORKER, inherited through the daemon.
+
 package main
 
 import (

@@ -4,6 +4,7 @@
 // It owns no state. Connections are named (application_name) so that the schema's requeue
 // trigger stays quiet for pepsi's own writes and so that a new dispatcher can find, and fence
 // off, the sessions of a previous one and of its workers (instance.go).
+
 package main
 
 import (

@@ -1,5 +1,6 @@
 // dispatch_test.go: the dispatcher core against real PostgreSQL and real processes: the
 // configuration, the claim, pools and pipelining, the pipeline end to end, the instance lock.
+
 package main
 
 import (

@@ -13,6 +13,7 @@
 // The wake rule (§3.7): flush at once when a hinted group may be complete (its remaining
 // children ≤ the hints seen for it), else coalesce until FANIN_MIN_HINTS hints or
 // FANIN_MAX_DELAY after the previous flush. Owned by the coordinator goroutine.
+
 package main
 
 import (

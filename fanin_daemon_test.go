@@ -17,6 +17,7 @@
 //	join   reads FaninResult and records (parent, done_n, failed_n, failed list) in fanin_joins
 //
 // Every child gets its parent's payload; what it does depends on its fanout_seq.
+
 package main
 
 import (

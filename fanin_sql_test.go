@@ -4,6 +4,7 @@
 // stages by writing the children's outcomes, and the coordinator by calling fanin_flush,
 // fanin_sweep and fanin_fire_ready. checkFaninInvariants is the oracle of §3.13; every test
 // ends with it. Run them alone with `go test -race -run Fanin .`.
+
 package main
 
 import (

@@ -1,6 +1,7 @@
 // faults_test.go: nothing is lost. Failures, garbage, crashes, hangs, a missing program,
 // SIGKILL and SIGTERM of the dispatcher, a restarted PostgreSQL and killed connections —
 // with real processes and a real PostgreSQL, and the (message, stage) runs checked each time.
+
 package main
 
 import (

@@ -1,6 +1,7 @@
 // fusion_test.go: stage fusion end to end: the real daemon, and a worker program (the test
 // binary) that implements stages a and b with stage.ServeStages, b marked FUSE = yes. A
 // message claimed at a runs through b in the same pass: one claim, both stages' counters.
+
 package main
 
 import (

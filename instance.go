@@ -9,6 +9,7 @@
 // workers' sessions (found by application_name) are terminated and waited for, so no worker
 // of an earlier run can commit a message that the orphan reset hands out again. The workers
 // themselves die with their dispatcher (parent-death signal, worker.go).
+
 package main
 
 import (

@@ -5,6 +5,7 @@
 // pointer and never waits for the coordinator. Row counts per stage and status come from one
 // query of the handler's own, on the pool, so a scrape costs the database one statement and
 // the coordinator nothing.
+
 package main
 
 import (

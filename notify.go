@@ -5,6 +5,7 @@
 // begins, and WATCHDOG=1 at half the WatchdogSec period from the coordinator's own loop, so a
 // wedged coordinator stops the pings and systemd restarts it. Without NOTIFY_SOCKET every call
 // is a no-op.
+
 package main
 
 import (

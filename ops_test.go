@@ -1,5 +1,6 @@
 // ops_test.go: what an operator relies on: hot reload, statistics, the privilege drop and
 // /metrics, each against the real daemon.
+
 package main
 
 import (

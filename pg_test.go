@@ -4,6 +4,7 @@
 // internal/pgtest (shared with the SDK's tests); this file adds test-binary impersonation: the test binary runs as
 // a worker program (PEPSI_TEST_WORKER) or as the daemon itself (PEPSI_TEST_DAEMON), so the
 // tests need no other binary and the race detector covers the subprocesses too.
+
 package main
 
 import (

@@ -9,6 +9,7 @@
 //
 // The mechanism (exec, pipes, kill) is worker.go's; this file only decides. The coordinator
 // goroutine owns every pool.
+
 package main
 
 import (

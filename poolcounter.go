@@ -17,6 +17,7 @@
 // TIMEOUT) are written by whoever caused them with one non-blocking write, and what the socket
 // does not take goes to a short-lived writer goroutine, so a client that stops reading stalls
 // nobody but itself.
+
 package main
 
 import (

@@ -9,6 +9,7 @@
 // confirmed by polling STATS waiting_workers on an observer connection; every read has a
 // deadline. The only waits on time are the behaviour under test (1-second lock timeouts and
 // "nothing arrives for N seconds" checks).
+
 package main
 
 import (

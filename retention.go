@@ -7,6 +7,7 @@
 // first row that is too young and starts over next turn. Failed rows are kept until a person
 // acts; children of fan-out groups that are still open are never touched (their parent still
 // needs them, and the fan-in trigger refuses it anyway).
+
 package main
 
 import (

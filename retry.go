@@ -8,6 +8,7 @@
 // Writes are queued in memory and sent in one statement per kind when the coordinator settles.
 // If the database refuses them (down, restarting), they stay queued and are sent again after a
 // back-off: an outcome is never dropped because the database was away for a while.
+
 package main
 
 import (

@@ -4,6 +4,7 @@
 // The coordinator goroutine owns Stats and is the only writer of both tables (the workers of a
 // stage never contend for its row). Totals only grow; a flush writes total − flushed as deltas
 // in one transaction, and only when something changed. /metrics reads a published copy.
+
 package main
 
 import (

@@ -4,6 +4,7 @@
 // watchdogs, stage hold, stats flush, database back-off) is an entry keyed by (kind, id).
 // Scheduling a key again moves its deadline; cancelling a key that is not there is a no-op
 // (Postfix event_request_timer). The heap is owned by the coordinator goroutine.
+
 package main
 
 import (

@@ -6,6 +6,7 @@
 // (stdout replies, then the exit status) and logLoop (stderr to the log). Those goroutines only
 // send events; every field below that is not marked otherwise is owned by the coordinator
 // goroutine. When to start or stop a worker is pool.go's business, not this file's.
+
 package main
 
 import (

@@ -12,6 +12,7 @@
 // each statement takes its own snapshot anyway, and the load locks nothing, so a batch whose
 // handlers leave Message.Tx alone sees what it would in a transaction, and its outcomes are one
 // statement after it (stage.go), in 2 requests instead of 5.
+
 package stage
 
 import (

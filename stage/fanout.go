@@ -6,6 +6,7 @@
 // of fanin.sql, in the message's transaction and under its claim guard (status = 'running' AND
 // stage = this stage). This file never writes the fanout, fanin_event or fanin_wake_log
 // tables, nor a parent row after its split: those belong to the dispatcher (invariant I1).
+
 package stage
 
 import (

@@ -2,6 +2,7 @@
 // driven through Serve as stage_test.go does; the dispatcher's part (claims, flushes) is
 // played by the tests with SQL. T17 (a worker killed between pages) runs the test binary as a
 // stage program (PEPSI_SDK_FANOUT_WORKER) and SIGKILLs it.
+
 package stage
 
 import (

@@ -2,6 +2,7 @@
 // in the same pass and transaction, the fallback to the plain advance when that stage fails,
 // the status line's report, and PEPSI_FUSE. Against a real PostgreSQL, through ServeStages
 // with pipes, as stage_test.go does.
+
 package stage
 
 import (

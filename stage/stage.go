@@ -6,6 +6,7 @@
 // and the status lines. It writes only the rows it was handed, and only under the guard
 // status = 'running' AND stage = <the stage the row is running at in the transaction: the
 // claimed one, or a fused one it moved the row to>; failures are the dispatcher's to record.
+
 package stage
 
 import (

@@ -4,6 +4,7 @@
 // The run's PostgreSQL is PEPSI_TEST_DSN (a key=value DSN) when set, else a private cluster
 // started with ../scripts/pg-private and stopped at the end. Every test gets its own schema
 // with ../schema.sql applied.
+
 package stage
 
 import (
