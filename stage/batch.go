@@ -277,7 +277,7 @@ func (s *server) runLink(ctx context.Context, tx *sql.Tx, m *Message) (
 	case m.second != "":
 		reason = fmt.Sprintf("handler chose more than one outcome (%s, then %s)", m.chosen, m.second)
 	case m.chosen == "":
-		reason = "handler returned without choosing an outcome (Advance, Done or Defer); the row would stay running"
+		reason = "handler returned without choosing an outcome (" + outcomeMethods() + "); the row would stay running"
 	}
 	if reason == "" && m.kept != nil && m.fusable(m.kept.change) {
 		f, fz, err := s.runFused(ctx, tx, m)

@@ -29,7 +29,7 @@ type link struct {
 // fusable reports whether the outcome c, chosen by m's handler, is an advance to a stage that
 // runs in the same pass: one this program implements (a view), not already in the pass.
 func (m *Message) fusable(c change) bool {
-	return c.status == "pending" && c.stage != "" && m.srv.views[c.stage] != nil &&
+	return c.kind.advance && m.srv.views[c.stage] != nil &&
 		!slices.Contains(m.link.chain, c.stage)
 }
 

@@ -54,12 +54,49 @@ type Message struct {
 
 	// Set by Serve's goroutine before and after the handler runs; used by the handler's
 	// goroutine in between. A Message's methods are not safe for concurrent use.
-	live     bool        // the handler is running: an outcome may be chosen
-	chosen   string      // the outcome chosen, "" while none
-	second   string      // a further outcome attempted
-	writeErr error       // the chosen outcome's write failed
-	kept     *keptChange // an outcome waiting for the batch's outcome statement
-	link     link        // the message's place in its pass (stage fusion)
+	live     bool         // the handler is running: an outcome may be chosen
+	chosen   string       // the outcome chosen, "" while none
+	kind     *outcomeKind // the kind of the outcome chosen; nil for none, or for one of fanout.go
+	second   string       // a further outcome attempted
+	writeErr error        // the chosen outcome's write failed
+	kept     *keptChange  // an outcome waiting for the batch's outcome statement
+	link     link         // the message's place in its pass (stage fusion)
+}
+
+// outcomeKind is one kind of outcome that a handler chooses through the Message API (besides
+// the fan-out outcomes of fanout.go, which write through SQL functions of their own): what it
+// sets in the row besides the state, and what the status line says of a pass that ends in it.
+// The batch engine, fusion, the writers of outcome.go and the status lines consult only this
+// (and change, which carries it), never an outcome's name. So a new outcome that sets the
+// status, the stage and retry_at is a row here and a method like Done that calls choose; one
+// that sets another column adds that column to change, update and outcomeStatement
+// (outcome.go), and a row to TestOutcomePlan.
+type outcomeKind struct {
+	method  string // the Message method that chooses it, for the reason of a handler that chose none
+	status  string // the status the row gets
+	advance bool   // it moves the row to another stage (change.stage), which may run in the same pass (fuse.go)
+	word    string // the status line's word for a pass that ends in it (doc.go), "" for none
+}
+
+var (
+	advanceKind = &outcomeKind{method: "Advance", status: "pending", advance: true}
+	doneKind    = &outcomeKind{method: "Done", status: "done", word: "done"}
+	deferKind   = &outcomeKind{method: "Defer", status: "paused"}
+
+	// outcomeKinds lists every kind, in the order the documentation names them.
+	outcomeKinds = []*outcomeKind{advanceKind, doneKind, deferKind}
+)
+
+// outcomeMethods names the methods of outcomeKinds for a reason: "Advance, Done or Defer".
+func outcomeMethods() string {
+	names := make([]string, len(outcomeKinds))
+	for i, k := range outcomeKinds {
+		names[i] = k.method
+	}
+	if len(names) < 2 {
+		return strings.Join(names, "")
+	}
+	return strings.Join(names[:len(names)-1], ", ") + " or " + names[len(names)-1]
 }
 
 // Advance moves the message to stage next, which must be one of the stage's NEXT stages:
@@ -76,13 +113,13 @@ func (m *Message) Advance(next string) error {
 		return fmt.Errorf("advance message %d to %q: %w (NEXT of %s: %q)",
 			m.ID, next, ErrNotNext, m.Stage, strings.Join(m.srv.cfg.Next, " "))
 	}
-	return m.choose(change{what: "advance to " + next, stage: next, status: "pending"})
+	return m.choose(change{kind: advanceKind, what: "advance to " + next, stage: next})
 }
 
 // Done finishes the message: status = 'done', and the state, in one UPDATE guarded by the
 // claim (at a fused stage, stage = that stage too). Errors and timing as for Advance.
 func (m *Message) Done() error {
-	return m.choose(change{what: "done", status: "done"})
+	return m.choose(change{kind: doneKind, what: "done"})
 }
 
 // Defer pauses the message until the given time: status = 'paused', retry_at = until, and the
@@ -91,8 +128,8 @@ func (m *Message) Done() error {
 // deferral is not a failure: attempts is unchanged. Errors and timing as for Advance.
 func (m *Message) Defer(until time.Time) error {
 	return m.choose(change{
+		kind:    deferKind,
 		what:    "defer until " + until.Format(time.RFC3339),
-		status:  "paused",
 		retryAt: until.UTC().Format("2006-01-02 15:04:05.999999Z07:00"),
 	})
 }
@@ -106,6 +143,7 @@ func (m *Message) choose(c change) error {
 		c.stage = m.Stage
 	}
 	return m.outcomeNamed(m.ctx, c.what, func(tx *sql.Tx) error {
+		m.kind = c.kind
 		state, err := m.stateJSON()
 		if err != nil {
 			return fmt.Errorf("%s message %d: encode state: %w", c.what, m.ID, err)

@@ -15,12 +15,12 @@ import (
 	"github.com/lib/pq"
 )
 
-// change is what Advance, Done or Defer set besides the state.
+// change is what an outcome of the Message API (Advance, Done, Defer) sets besides the state.
 type change struct {
-	what    string // for reasons: "advance to b", "done", "defer until …"
-	stage   string // "" keeps the stage
-	status  string
-	retryAt string // a timestamptz in text, "" keeps retry_at
+	kind    *outcomeKind // the status it writes, and how the pass treats it
+	what    string       // for reasons: "advance to b", "done", "defer until …"
+	stage   string       // "" keeps the stage
+	retryAt string       // a timestamptz in text, "" keeps retry_at
 }
 
 // keptChange is an outcome chosen before the handler sent any statement, with the state as it
@@ -52,7 +52,7 @@ type execer interface {
 // own savepoint (a fused stage's savepoint moves the row there), the claimed stage for an
 // outcome kept until the end of the batch.
 func (m *Message) update(ctx context.Context, on execer, c change, state []byte, guard string) error {
-	set := "status = " + pq.QuoteLiteral(c.status)
+	set := "status = " + pq.QuoteLiteral(c.kind.status)
 	if c.stage != "" {
 		// An advance resets attempts: MAX_ATTEMPTS counts failures at one stage.
 		set += ", stage = " + pq.QuoteLiteral(c.stage) + ", attempts = 0"
@@ -151,7 +151,7 @@ func (s *server) writeOutcomes(ctx context.Context, kept []keptOutcome, replies 
 		c := k.m.kept.change
 		ids[i] = k.m.ID
 		stages[i] = sql.NullString{String: c.stage, Valid: c.stage != ""}
-		statuses[i] = c.status
+		statuses[i] = c.kind.status
 		retryAts[i] = sql.NullString{String: c.retryAt, Valid: c.retryAt != ""}
 		states[i] = string(k.m.kept.state)
 	}

@@ -353,13 +353,13 @@ func (r *reply) fallBackTo(m *Message) {
 	r.fused = nil
 }
 
-// words returns what follows "0 " on a success line: "done" when the message finished
-// (dispatch_stats.done), and fused=STAGE:MS,… for the fused stages (stage_stats.fused and
+// words returns what follows "0 " on a success line: the word of the kind of the outcome that
+// stands ("done" when the message finished: dispatch_stats.done), and fused=STAGE:MS,… for the fused stages (stage_stats.fused and
 // busy_ms of each), separated by single spaces; "" for neither.
 func (r *reply) words() string {
 	var words []string
-	if r.final != nil && r.final.chosen == "done" {
-		words = append(words, "done")
+	if r.final != nil && r.final.kind != nil && r.final.kind.word != "" {
+		words = append(words, r.final.kind.word)
 	}
 	if len(r.fused) > 0 {
 		runs := make([]string, len(r.fused))

@@ -432,7 +432,7 @@ func TestOutcomeMistakes(t *testing.T) {
 	})
 	sv.send(t, none, two, notNext, panics, ownRow)
 	r := sv.replies(t, 5)
-	wantFailure(t, r[0], "without choosing an outcome")
+	wantFailure(t, r[0], "without choosing an outcome (Advance, Done or Defer)")
 	wantFailure(t, r[1], "more than one outcome (done, then advance to b)")
 	wantFailure(t, r[2], `"zzz"`)
 	wantFailure(t, r[3], "handler panicked: boom")
