@@ -74,9 +74,7 @@ func newSchema(t *testing.T) *schema {
 
 func (s *schema) exec(t testing.TB, q string, args ...any) {
 	t.Helper()
-	if _, err := s.db.Exec(q, args...); err != nil {
-		t.Fatalf("%s: %v", q, err)
-	}
+	pgtest.Exec(t, s.db, q, args...)
 }
 
 // ids returns the one bigint column of q's rows.
@@ -103,11 +101,7 @@ func (s *schema) ids(t testing.TB, q string, args ...any) []int64 {
 
 func (s *schema) int(t testing.TB, q string, args ...any) int {
 	t.Helper()
-	var n int
-	if err := s.db.QueryRow(q, args...).Scan(&n); err != nil {
-		t.Fatalf("%s: %v", q, err)
-	}
-	return n
+	return pgtest.Int(t, s.db, q, args...)
 }
 
 // put inserts a row as the dispatcher's claim would leave it and returns its id.
@@ -668,13 +662,9 @@ func TestConnectionLost(t *testing.T) {
 	if n := sch.int(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1`, app); n != 1 {
 		t.Fatalf("terminated %d backends, want 1", n)
 	}
-	deadline := time.Now().Add(waitTimeout)
-	for sch.int(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, app) != 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("timed out waiting for the backend to end")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	pgtest.WaitFor(t, waitTimeout, "the backend to end", func() bool {
+		return sch.int(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, app) == 0
+	})
 	sv.send(t, second)
 	err := sv.wait(t)
 	if !errors.Is(err, ErrConnectionLost) {
