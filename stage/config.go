@@ -40,7 +40,7 @@ type Config struct {
 
 	// MaxChildren and MinSpan are the stage's MAX_CHILDREN and MIN_SPAN (PEPSI_MAX_CHILDREN,
 	// PEPSI_MIN_SPAN): SplitRange's defaults when its RangeOpts leave them 0. 0 here means
-	// the defaults of fanin.md (MaxChildrenDefault, MinSpanDefault).
+	// the defaults (MaxChildrenDefault, MinSpanDefault; doc/design/fanin.md, "Configuration").
 	MaxChildren int
 	MinSpan     int64
 
@@ -124,8 +124,14 @@ func parseFuse(text string) (map[string][]string, error) {
 }
 
 // LoadConfig parses `[-c FILE] worker` (os.Args[1:]) and reads PEPSI_STAGE, PEPSI_NEXT,
-// PEPSI_FUSE and PEPSI_DSN from the environment. Programs that need the configuration before
-// serving call it and then Serve (or ServeStages); the others just call Run (or RunStages).
+// PEPSI_FUSE, PEPSI_DSN, PEPSI_MAX_CHILDREN and PEPSI_MIN_SPAN from the environment. Programs
+// that need the configuration before serving call it and then Serve (or ServeStages); the
+// others just call Run (or RunStages), which exits 2 where LoadConfig returns an error.
+//
+// It returns an error for other arguments, an unset PEPSI_DSN (the program was not started by
+// pepsi-dispatch), a stage name that is not [a-z0-9_-]+, a malformed PEPSI_FUSE, or a
+// PEPSI_MAX_CHILDREN or PEPSI_MIN_SPAN that is not a positive whole number. It connects to
+// nothing.
 func LoadConfig(args []string) (Config, error) {
 	return loadConfig(args, os.Getenv)
 }

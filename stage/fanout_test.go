@@ -1,7 +1,8 @@
 // fanout_test.go: the fan-out helpers of fanout.go against a real PostgreSQL with fanin.sql,
 // driven through Serve as stage_test.go does; the dispatcher's part (claims, flushes) is
-// played by the tests with SQL. T17 (a worker killed between pages) runs the test binary as a
-// stage program (PEPSI_SDK_FANOUT_WORKER) and SIGKILLs it.
+// played by the tests with SQL. T17 (a worker killed between pages; doc/design/fanin.md,
+// "Test scenarios") runs the test binary as a stage program (PEPSI_SDK_FANOUT_WORKER) and
+// SIGKILLs it.
 
 package stage
 

@@ -13,14 +13,21 @@ import (
 	"time"
 )
 
-// Handler processes one message. It chooses exactly one outcome (Advance, Done or Defer) and
-// returns nil; any other return fails the message and rolls back everything it wrote in m.Tx.
-// Handlers run one at a time, in the order of the ids; a fused stage's handler runs right
-// after the handler whose advance led to it (see ServeStages).
+// Handler processes one message. It chooses exactly one outcome (Advance, Done or Defer; or
+// Split or SplitRange for a fan-out, or leaves it to Paginate) and returns nil. Anything else
+// (an error, a panic, no outcome, two outcomes, an outcome that failed) fails the message: its
+// status line reports the reason, which the dispatcher records in state.dispatch_error, and
+// everything the handler wrote in m.Tx is rolled back; the other messages of the batch are not
+// affected. ctx is the one given to Serve (Run's never ends): pass it to m.Tx's queries.
+//
+// Handlers run one at a time, in the order of the ids, on Serve's goroutine; a fused stage's
+// handler runs right after the handler whose advance led to it (see ServeStages). A handler
+// must not keep m, or use it from another goroutine, after it returns.
 type Handler func(ctx context.Context, m *Message) error
 
 // Message is one message handed to the handler: its row as it was when the batch began, and
-// the transaction its outcome commits in.
+// the transaction its outcome commits in. It is valid while its handler runs, and its methods
+// are not safe for concurrent use (m.Tx is, as any *sql.Tx).
 type Message struct {
 	// ID is the row's workqueue_id.
 	ID int64
@@ -46,7 +53,9 @@ type Message struct {
 	// they commit with the outcome, and a failure of the message rolls them back (a savepoint
 	// is taken before its first statement). The handler must not Commit or Roll it back, must
 	// close the rows it opens before returning, and must not cancel the context of a query on
-	// it (lib/pq closes the connection to cancel a query, which ends the process).
+	// it (lib/pq closes the connection to cancel a query, which ends the process). Commit or
+	// Rollback return an error, and the SDK then ends Serve with an error too: the batch's
+	// transaction can no longer be trusted.
 	Tx *sql.Tx
 
 	ctx context.Context

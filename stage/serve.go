@@ -34,7 +34,9 @@ const (
 )
 
 // Run is a stage program's main: it parses `[-c FILE] worker` from os.Args, reads PEPSI_STAGE,
-// PEPSI_NEXT (space-separated), PEPSI_FUSE and PEPSI_DSN from the environment, connects once
+// PEPSI_NEXT (space-separated), PEPSI_FUSE, PEPSI_DSN, PEPSI_MAX_CHILDREN and PEPSI_MIN_SPAN
+// from the environment (LoadConfig), sets runtime.GOMAXPROCS(1) unless the environment sets
+// GOMAXPROCS (see the package documentation), connects once
 // and serves os.Stdin/os.Stdout until EOF with h as the handler of PEPSI_STAGE; it exits the
 // process (0 after EOF, non-zero on a fatal error such as a lost database connection, with the
 // reason on stderr). A program with one handler runs no fused stage: see RunStages.
@@ -103,10 +105,14 @@ func run(ctx context.Context, args []string, getenv func(string) string,
 // database calls, where lib/pq closes the connection to cancel them; a Read of in that is
 // blocked is not interrupted: close in to stop it.
 //
-// Every id already available on in (up to 256; see maxBatch, maxSubxids, maxBatchTime) is run
-// as one batch in one transaction, whose status lines are written together after the commit;
-// see doc.go. Serve is ServeStages with
-// h as the only handler, that of cfg.Stage: it fuses nothing.
+// Every id already available on in (up to 256, fewer after a batch whose handlers used
+// Message.Tx) is run as one batch in one transaction, whose status lines are written together
+// after the commit, and a batch takes no new message after 100 ms: see "What this package
+// does" in the package documentation. Serve is ServeStages with h as the only handler, that of
+// cfg.Stage: it fuses nothing.
+//
+// It returns an error wrapping the cause: an invalid cfg (nothing is started), a failed
+// connection, ErrConnectionLost, a failed read of in or write to out, or ctx's error.
 func Serve(ctx context.Context, cfg Config, in io.Reader, out io.Writer, h Handler) error {
 	return ServeStages(ctx, cfg, in, out, map[string]Handler{cfg.Stage: h})
 }
