@@ -1,6 +1,6 @@
-// config.go: a stage program's configuration: Config, its validation, and LoadConfig, which reads
-// it from the command line and the environment the dispatcher starts a worker with (doc.go,
-// Start). It reads nothing else: the -c FILE is the program's own business.
+// config.go: a stage program's configuration: Config, its validation, and LoadConfig, which
+// reads it from the command line and the environment the dispatcher starts a worker with
+// (doc.go, "Start"). It reads nothing else: the -c FILE is the program's own business.
 
 package stage
 
