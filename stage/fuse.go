@@ -1,5 +1,8 @@
 // fuse.go: stage fusion (ServeStages): a message's place in its pass, and the running of a
 // fused stage's handler after the advance that leads to it, in a savepoint of its own.
+//
+// It writes only the move of the running row to the fused stage (sent by conn.go with the
+// savepoint); a fused stage's outcome is written as any other, by outcome.go.
 
 package stage
 

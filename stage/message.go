@@ -1,5 +1,10 @@
 // message.go: the Message API: what a handler is given, and the outcomes it chooses (Advance,
-// Done, Defer; fan-out's Split in fanout.go), each recorded through one door, outcomeNamed.
+// Done, Defer; fan-out's Split in fanout.go), each recorded through one door, outcomeNamed,
+// and the table of outcome kinds (outcomeKinds) that the rest of the package consults: a new
+// outcome starts here.
+//
+// It sends no statement of its own: an outcome is written by outcome.go, at once or at the
+// end of the batch, and the decision between the two is the only one taken here.
 
 package stage
 

@@ -1,6 +1,10 @@
 // outcome.go: the writing of outcomes: the guarded UPDATE of one outcome (at once, inside the
 // message's savepoint), and the batch's one outcome statement for the outcomes kept until after
 // the transaction. What an outcome writes is chosen in message.go.
+//
+// Every statement here changes only rows running at the guard stage (status = 'running' AND
+// stage = guard), and their statements and round trips are what TestRoundTrips and
+// TestOutcomePlan measure: change them only with those tests' figures.
 
 package stage
 
