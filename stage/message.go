@@ -4,7 +4,8 @@
 // outcome starts here.
 //
 // It sends no statement of its own: an outcome is written by outcome.go, at once or at the
-// end of the batch, and the decision between the two is the only one taken here.
+// end of the batch. choose decides which; batch.go's runLink writes a kept outcome at once
+// after all when the handler went on to use Message.Tx.
 
 package stage
 
