@@ -17,7 +17,9 @@ import (
 )
 
 // Config is what a stage program is started with. Run reads it from the command line and the
-// environment (LoadConfig); embedding programs and tests fill it in for Serve.
+// environment (LoadConfig); embedding programs and tests fill it in for Serve, which checks it
+// before it connects. Serve keeps Next and Fuse as they are, without a copy: do not change
+// them while it runs.
 type Config struct {
 	// Stage is the stage this program serves (PEPSI_STAGE). Every outcome is guarded by it.
 	// Required; a name is [a-z0-9_-]+ as in the configuration file.
