@@ -71,36 +71,19 @@ func newTestSchema(t testing.TB) *testSchema {
 // exec runs one statement and fails the test on error.
 func (s *testSchema) exec(t testing.TB, query string, args ...any) {
 	t.Helper()
-	if _, err := s.DB.Exec(query, args...); err != nil {
-		t.Fatalf("%s: %v", query, err)
-	}
+	pgtest.Exec(t, s.DB, query, args...)
 }
 
 // count runs a query returning one integer.
 func (s *testSchema) count(t testing.TB, query string, args ...any) int {
 	t.Helper()
-	var n int
-	if err := s.DB.QueryRow(query, args...).Scan(&n); err != nil {
-		t.Fatalf("%s: %v", query, err)
-	}
-	return n
+	return pgtest.Int(t, s.DB, query, args...)
 }
 
-// waitFor polls cond until it returns true or the timeout passes; what names the condition in
-// the failure message. It is the only way tests wait: never a bare sleep.
+// waitFor is pgtest.WaitFor, shared with the SDK's tests: the only way tests wait.
 func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	delay := time.Millisecond
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", timeout, what)
-		}
-		time.Sleep(delay)
-		if delay < 50*time.Millisecond {
-			delay *= 2
-		}
-	}
+	pgtest.WaitFor(t, timeout, what, cond)
 }
 
 // writeFile writes content to name inside dir and returns the path.

@@ -4,14 +4,14 @@
 // connection and keeps the batch transaction out of the handlers' hands.
 //
 // It sends only BEGIN and savepoint statements (and a fused stage's move of its row, which
-// runBatch composes); what the batches do is stage.go's.
+// runFused composes); what the batches do is batch.go's.
 //
 // The batch transaction is lazy too: BeginTx sends nothing, and BEGIN goes out in the request
 // of the first savepoint, which only a handler's statement needs. Until then the load runs
 // alone, and if no handler sends a statement Commit has nothing to send: under READ COMMITTED
 // each statement takes its own snapshot anyway, and the load locks nothing, so a batch whose
 // handlers leave Message.Tx alone sees what it would in a transaction, and its outcomes are one
-// statement after it (stage.go), in 2 requests instead of 5.
+// statement after it (outcome.go), in 2 requests instead of 5.
 
 package stage
 

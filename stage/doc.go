@@ -84,12 +84,13 @@
 //	UPDATE workqueue SET status = 'paused', retry_at = $until, state = $state
 //	 WHERE workqueue_id = $id AND status = 'running' AND stage = 'THIS';
 //
-// (A fan-out split sets status = 'waiting' instead, under the same guard; see fanin.md.) If
-// the UPDATE changes no row, the claim is gone (the dispatcher took the message back): roll
-// back and answer non-zero. The stage's own writes belong in the same transaction, so they
-// commit if and only if the outcome does. A stage never writes a failure itself: it answers
-// non-zero and the dispatcher records it (attempts + 1, state.dispatch_error, paused with
-// back-off or failed) under its own claim guard. A stage must not touch the statistics tables.
+// (A fan-out split sets status = 'waiting' instead, under the same guard; see
+// doc/design/fanin.md, "Split".) If the UPDATE changes no row, the claim is gone (the
+// dispatcher took the message back): roll back and answer non-zero. The stage's own writes
+// belong in the same transaction, so they commit if and only if the outcome does. A stage never
+// writes a failure itself: it answers non-zero and the dispatcher records it (attempts + 1,
+// state.dispatch_error, paused with back-off or failed) under its own claim guard. A stage must
+// not touch the statistics tables.
 //
 // # Stage fusion
 //

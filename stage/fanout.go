@@ -1,11 +1,12 @@
-// fanout.go: fan-out and fan-in for stage programs (fanin.md): splitting a message into child
-// messages, reading the children's outcome in the continuation stage, and working through a
-// range child's slice page by page.
+// fanout.go: fan-out and fan-in for stage programs (doc/design/fanin.md): splitting a message
+// into child messages, reading the children's outcome in the continuation stage, and working
+// through a range child's slice page by page.
 //
 // Every write here is a message's outcome, made through Message.outcome and the SQL functions
 // of fanin.sql, in the message's transaction and under its claim guard (status = 'running' AND
 // stage = this stage). This file never writes the fanout, fanin_event or fanin_wake_log
-// tables, nor a parent row after its split: those belong to the dispatcher (invariant I1).
+// tables, nor a parent row after its split: those belong to the dispatcher (invariant I1 of
+// doc/design/fanin.md, "Invariants").
 
 package stage
 
@@ -25,8 +26,8 @@ import (
 )
 
 const (
-	// MaxChildrenDefault and MinSpanDefault are RangeOpts' defaults, the MAX_CHILDREN and
-	// MIN_SPAN defaults of fanin.md §3.11.
+	// MaxChildrenDefault and MinSpanDefault are RangeOpts' defaults, the defaults of the
+	// stage keys MAX_CHILDREN and MIN_SPAN (doc/design/fanin.md, "Configuration").
 	MaxChildrenDefault = 10000
 	MinSpanDefault     = 1000
 
@@ -93,7 +94,7 @@ func (m *Message) Split(ctx context.Context, continuation, childStage string, pa
 }
 
 // RangeOpts are the choices of SplitRange. The zero value is equal-width slices with the
-// defaults of fanin.md.
+// stage's MAX_CHILDREN and MIN_SPAN (Config), else MaxChildrenDefault and MinSpanDefault.
 type RangeOpts struct {
 	// MaxChildren caps the number of children. 0 means the split stage's MAX_CHILDREN
 	// (Config.MaxChildren, from PEPSI_MAX_CHILDREN), else MaxChildrenDefault.
@@ -117,12 +118,12 @@ type RangeOpts struct {
 	Payload json.RawMessage
 }
 
-// SplitRange is Split for the group action of fanin.md: the id range [lo, hi] (both
-// inclusive, typically SELECT min(id), max(id) FROM target WHERE cond) is cut into half-open
-// slices [range_lo, range_hi), one child at childStage each, contiguous and covering [lo, hi]
-// exactly, with no empty slice; a slice ending at the int8 maximum has range_hi NULL. Equal
-// width by default, equal row counts with opts.IDQuery. lo > hi (no rows) is an empty split:
-// the message advances to continuation at once. Each child works through its slice with
+// SplitRange is Split for the group action (doc/design/fanin.md, "Split"): the id range
+// [lo, hi] (both inclusive, typically SELECT min(id), max(id) FROM target WHERE cond) is cut into
+// half-open slices [range_lo, range_hi), one child at childStage each, contiguous and covering
+// [lo, hi] exactly, with no empty slice; a slice ending at the int8 maximum has range_hi NULL.
+// Equal width by default, equal row counts with opts.IDQuery. lo > hi (no rows) is an empty
+// split: the message advances to continuation at once. Each child works through its slice with
 // Paginate. Otherwise as Split: an outcome, in m.Tx, continuation one of NEXT.
 //
 // Rows that come to match after the split, beyond hi, are not the group's: the group acts on
@@ -132,7 +133,7 @@ func (m *Message) SplitRange(ctx context.Context, continuation, childStage strin
 	if err := m.checkSplit(what, continuation, childStage); err != nil {
 		return err
 	}
-	// 0 means the stage's configuration (MAX_CHILDREN, MIN_SPAN), then fanin.md's defaults.
+	// 0 means the stage's configuration (MAX_CHILDREN, MIN_SPAN), then the defaults.
 	maxChildren, minSpan := opts.MaxChildren, opts.MinSpan
 	if maxChildren == 0 {
 		maxChildren = m.srv.cfg.MaxChildren
@@ -315,20 +316,21 @@ type PageOpts struct {
 	PagesPerRun int
 }
 
-// Paginate works through a range child's slice page by page (keyset pagination, fanin.md
-// §3.3), resuming where the last committed run stopped. It calls fn for up to
-// opts.PagesPerRun pages, from the child's cursor, and keeps the cursor in m.State["cursor"]
-// (the lower bound of what is left), which the message's outcome writes together with the
-// pages' actions: action and cursor commit in one transaction, so a worker killed between
-// runs loses nothing and redoes nothing, and one killed during a run has committed none of it.
+// Paginate works through a range child's slice page by page (keyset pagination;
+// doc/design/fanin.md, "Split"), resuming where the last committed run stopped. It calls fn for
+// up to opts.PagesPerRun pages, from the child's cursor, and keeps the cursor in
+// m.State["cursor"] (the lower bound of what is left), which the message's outcome writes
+// together with the pages' actions: action and cursor commit in one transaction, so a worker
+// killed between runs loses nothing and redoes nothing, and one killed during a run has
+// committed none of it.
 //
-// When the slice is finished, Paginate returns true and chooses no outcome: the handler
-// chooses it (normally Done, whose entry into the terminal set counts for the parent). When
-// pages are left, it chooses the outcome itself, a Defer until now, so that the dispatcher
-// runs the message again at once, as a new run with a new transaction; it returns false and
-// the handler must choose no outcome (return nil). A deferral is not a failure: attempts is
-// unchanged. An error from fn is returned as it is wrapped, with no outcome chosen: return it
-// to fail the message and roll the run back.
+// When the slice is finished, Paginate returns true and chooses no outcome: the handler chooses
+// it (normally Done, whose entry into the terminal set counts for the parent). When pages are
+// left, it chooses the outcome itself, a Defer until now, so that the dispatcher runs the
+// message again at once, as a new run with a new transaction; it returns false and the handler
+// must choose no outcome (return nil). A deferral is not a failure: attempts is unchanged. An
+// error from fn is returned as it is wrapped, with no outcome chosen: return it to fail the
+// message and roll the run back.
 func (m *Message) Paginate(ctx context.Context, opts PageOpts, fn PageFunc) (finished bool, err error) {
 	size, pages := opts.PageSize, opts.PagesPerRun
 	if size <= 0 {

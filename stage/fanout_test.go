@@ -1,7 +1,8 @@
 // fanout_test.go: the fan-out helpers of fanout.go against a real PostgreSQL with fanin.sql,
 // driven through Serve as stage_test.go does; the dispatcher's part (claims, flushes) is
-// played by the tests with SQL. T17 (a worker killed between pages) runs the test binary as a
-// stage program (PEPSI_SDK_FANOUT_WORKER) and SIGKILLs it.
+// played by the tests with SQL. T17 (a worker killed between pages; doc/design/fanin.md,
+// "Test scenarios") runs the test binary as a stage program (PEPSI_SDK_FANOUT_WORKER) and
+// SIGKILLs it.
 
 package stage
 
@@ -20,6 +21,8 @@ import (
 	"time"
 
 	"github.com/lib/pq"
+
+	"pepsi-dispatch/internal/pgtest"
 )
 
 // The worker of TestFanoutPaginateKilled: it paginates range children at stage "a" two pages
@@ -511,13 +514,9 @@ func TestFanoutPaginateKilled(t *testing.T) {
 	}
 	// The killed run's backend rolls back when the server notices the closed socket.
 	app := "pepsi-" + sch.name
-	deadline := time.Now().Add(waitTimeout)
-	for sch.int(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, app) != 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("timed out waiting for the killed worker's backend to end")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	pgtest.WaitFor(t, waitTimeout, "the killed worker's backend to end", func() bool {
+		return sch.int(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, app) == 0
+	})
 	if n := sch.int(t, `SELECT count(*) FROM target WHERE hits > 0`); n != 10 {
 		t.Errorf("%d rows hit after the kill, want 10: the killed run committed something", n)
 	}

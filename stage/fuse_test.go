@@ -680,16 +680,16 @@ func TestFusionParseFuse(t *testing.T) {
 
 // The status line's words: done, fused, both, neither; each separated by one space.
 func TestFusionReplyWords(t *testing.T) {
-	done := &Message{Stage: "c", chosen: "done"}
+	done := &Message{Stage: "c", chosen: "done", kind: doneKind}
 	done.link.took = 2500 * time.Microsecond
-	adv := &Message{Stage: "b", chosen: "advance to c"}
+	adv := &Message{Stage: "b", chosen: "advance to c", kind: advanceKind}
 	adv.link.took = 3 * time.Millisecond
 	for _, c := range []struct {
 		r    reply
 		want string
 	}{
-		{reply{ok: true, final: &Message{chosen: "done"}}, "0 done\n"},
-		{reply{ok: true, final: &Message{chosen: "advance to b"}}, "0\n"},
+		{reply{ok: true, final: &Message{chosen: "done", kind: doneKind}}, "0 done\n"},
+		{reply{ok: true, final: &Message{chosen: "advance to b", kind: advanceKind}}, "0\n"},
 		{reply{ok: true, final: adv, fused: []*Message{adv}}, "0 fused=b:3\n"},
 		{reply{ok: true, final: done, fused: []*Message{adv, done}}, "0 done fused=b:3,c:2\n"},
 		{reply{reason: "x"}, "1 x\n"},

@@ -1,0 +1,49 @@
+// helpers.go: the helpers that the daemon's tests and the SDK's tests share: one statement,
+// one integer, and the one way a test waits for a condition. Kept apart from pgtest.go, the
+// cluster and its schemas, because they need no cluster of their own.
+
+package pgtest
+
+import (
+	"database/sql"
+	"testing"
+	"time"
+)
+
+// Exec runs one statement on db and fails the test on error.
+func Exec(t testing.TB, db *sql.DB, query string, args ...any) {
+	t.Helper()
+	if _, err := db.Exec(query, args...); err != nil {
+		t.Fatalf("%s: %v", query, err)
+	}
+}
+
+// Int runs a query returning one integer (a count, typically) on db and fails the test on
+// error.
+func Int(t testing.TB, db *sql.DB, query string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := db.QueryRow(query, args...).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", query, err)
+	}
+	return n
+}
+
+// WaitFor polls cond until it returns true, and fails the test when timeout passes first; what
+// names the condition in the failure message. It is how tests wait: never a bare sleep. The
+// polls start 1 ms apart and back off to 50 ms, so a condition that holds soon is seen soon
+// and a long wait does not load the database.
+func WaitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	delay := time.Millisecond
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+		}
+		time.Sleep(delay)
+		if delay < 50*time.Millisecond {
+			delay *= 2
+		}
+	}
+}
