@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"time"
 
 	"github.com/lib/pq"
 )
@@ -189,4 +190,17 @@ func (s *Stats) flush(ctx context.Context, db *sql.DB) (bool, error) {
 	s.flushed.global = s.Global
 	s.flushed.fanin = s.Fanin
 	return true, nil
+}
+
+// flushStats writes the statistics deltas; a failure keeps them for the next flush.
+func (c *coordinator) flushStats() {
+	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
+	defer cancel()
+	if !c.stats.dirty() {
+		return
+	}
+	c.lastStatsFlush = time.Now()
+	if _, err := c.stats.flush(ctx, c.db); err != nil {
+		c.log.Warn("statistics not flushed; kept for the next flush", "err", err)
+	}
 }
