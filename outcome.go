@@ -5,8 +5,6 @@ package main
 
 import (
 	"fmt"
-	"strconv"
-	"strings"
 	"time"
 )
 
@@ -35,7 +33,7 @@ func (c *coordinator) onReplies(ev workerReplies) {
 		w.answered++
 		if r.status == 0 {
 			st.Processed++
-			c.onSuccess(w, m, r.text)
+			c.onSuccess(w, m, r)
 		} else {
 			st.Failed++
 			reason := fmt.Sprintf("stage %s: status %d", w.stage, r.status)
@@ -79,7 +77,7 @@ func (c *coordinator) pop(w *worker, now time.Time) *message {
 }
 
 // onSuccess credits a message the stage has already moved on.
-func (c *coordinator) onSuccess(w *worker, m *message, text string) {
+func (c *coordinator) onSuccess(w *worker, m *message, r reply) {
 	c.claimWanted = true // the stage may have advanced it: the next claim takes it
 	if m.fanout != 0 {
 		c.fanin.hint(m.fanout) // a child may have finished: cheap, and the flush is batched
@@ -88,27 +86,16 @@ func (c *coordinator) onSuccess(w *worker, m *message, text string) {
 		c.log.Info("stage recovered", "stage", w.stage, "failures_before", n)
 		delete(c.stageFailing, w.stage)
 	}
-	if text == "" {
-		return
+	if r.done {
+		c.stats.Global.Done++
 	}
-	for _, word := range strings.Fields(text) {
-		switch {
-		case word == "done":
-			c.stats.Global.Done++
-		case strings.HasPrefix(word, "fused="):
-			// fused=STAGE:MS[,STAGE:MS…]: stages the worker ran in the same pass.
-			for _, f := range strings.Split(strings.TrimPrefix(word, "fused="), ",") {
-				name, msText, ok := strings.Cut(f, ":")
-				ms, err := strconv.ParseInt(msText, 10, 64)
-				if !ok || err != nil || ms < 0 || !stageNameRe.MatchString(name) {
-					c.log.Warn("ignoring malformed fused report", "stage", w.stage, "pid", w.pid, "word", clip(word, 80))
-					break
-				}
-				fs := c.stats.stage(name)
-				fs.Fused++
-				fs.observe(ms)
-			}
-		}
+	for _, f := range r.fused {
+		fs := c.stats.stage(f.stage)
+		fs.Fused++
+		fs.observe(f.ms)
+	}
+	for _, word := range r.malformed {
+		c.log.Warn("ignoring malformed fused report", "stage", w.stage, "pid", w.pid, "word", clip(word, 80))
 	}
 }
 
