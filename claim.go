@@ -176,7 +176,9 @@ func (c *coordinator) claim() {
 	if len(c.want) == 0 {
 		return // every stage is full or held: replies and timers will ask again
 	}
-	res, err := c.claimer.claim(c.ctx, c.inst.conn, c.want)
+	ctx, cancel := c.budget()
+	res, err := c.claimer.claim(ctx, c.inst.conn, c.want)
+	cancel()
 	if err != nil {
 		c.claimWanted = true
 		c.dbTrouble("claim", err)

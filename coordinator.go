@@ -23,7 +23,9 @@ import (
 )
 
 // dbStatementBudget bounds how long the coordinator waits on one of its own statements before
-// treating the database as unavailable and carrying on with its other duties.
+// treating the database as unavailable and carrying on with its other duties. Every statement
+// the loop itself runs takes its context from budget(); a hung server then costs one budget
+// and a back-off, not the whole dispatcher.
 const dbStatementBudget = 10 * time.Second
 
 // statsIdleMinGap: the idle flush of statistics happens at most once per this period.
@@ -48,7 +50,7 @@ type coordinator struct {
 
 	ctx    context.Context // lives until the workers' goroutines are done sending
 	wg     *sync.WaitGroup // the workers' goroutines and a background fan-in flush
-	events chan any        // workerReplies, workerExit, faninFlushed
+	events chan event      // workerReplies, workerExit, faninFlushed
 
 	timers *timerHeap
 	timer  *time.Timer
@@ -73,8 +75,8 @@ type coordinator struct {
 	dbWaiting bool       // the database refused a write: wait for timerDB
 	dbBackoff backoff
 
-	locked       bool // the lock connection is up and ours
-	relockBackof backoff
+	locked        bool // the lock connection is up and ours
+	relockBackoff backoff
 
 	stats          *Stats
 	lastStatsFlush time.Time // the last flush attempt
@@ -93,17 +95,38 @@ type coordinator struct {
 	want         map[string]int
 }
 
-// newCoordinator builds a coordinator for cfg over an acquired instance.
-func newCoordinator(ctx context.Context, cfg *Config, log *slog.Logger, db *sql.DB, inst *instance,
-	notify <-chan *pq.Notification, sigs <-chan os.Signal, version string) *coordinator {
+// coordinatorDeps is what a coordinator is built from: the running configuration and the
+// connections, channels and services main has set up for it.
+type coordinatorDeps struct {
+	cfg     *Config // with the stage table as read at start (file and config table)
+	version string
+	log     *slog.Logger
+	db      *sql.DB
+	inst    *instance // the single-instance lock, already taken
+
+	notify <-chan *pq.Notification // the LISTEN channel
+	sigs   <-chan os.Signal        // SIGINT, SIGTERM
+	hups   <-chan os.Signal        // SIGHUP
+
+	metrics  *metricsServer // nil unless METRICS_LISTEN is set
+	notifier *notifier      // systemd; a no-op value outside it
+	retain   *retainer      // nil unless RETENTION is set
+}
+
+// newCoordinator builds a coordinator over an acquired instance. ctx must outlive the
+// workers' goroutines (loop's caller cancels it, then waits for c.wg).
+func newCoordinator(ctx context.Context, d coordinatorDeps) *coordinator {
+	cfg, inst := d.cfg, d.inst
 	c := &coordinator{
-		cfg: cfg, version: version, log: log, db: db, inst: inst, notify: notify, sigs: sigs,
-		ctx: ctx, wg: &sync.WaitGroup{}, events: make(chan any, eventBuffer),
+		cfg: cfg, version: d.version, log: d.log, db: d.db, inst: inst,
+		notify: d.notify, sigs: d.sigs, hups: d.hups,
+		metrics: d.metrics, notifier: d.notifier, retain: d.retain,
+		ctx: ctx, wg: &sync.WaitGroup{}, events: make(chan event, eventBuffer),
 		timers: newTimerHeap(), timer: time.NewTimer(time.Hour),
 		workers: map[int]*worker{}, inflight: map[string]int{},
-		dbBackoff:    backoff{min: 100 * time.Millisecond, max: 5 * time.Second},
-		relockBackof: backoff{min: 100 * time.Millisecond, max: 5 * time.Second},
-		stats:        newStats(), locked: true, stageFailing: map[string]int{},
+		dbBackoff:     backoff{min: 100 * time.Millisecond, max: 5 * time.Second},
+		relockBackoff: backoff{min: 100 * time.Millisecond, max: 5 * time.Second},
+		stats:         newStats(), locked: true, stageFailing: map[string]int{},
 		want: map[string]int{}, started: time.Now(),
 	}
 	c.workerDSN = dsnWith(cfg.DSN, "application_name", inst.appName(appWorker))
@@ -191,17 +214,22 @@ func (c *coordinator) arm() {
 	c.timer.Reset(time.Until(at)) // go ≥ 1.23: no drain needed before Reset
 }
 
-func (c *coordinator) handle(ev any) {
-	switch ev := ev.(type) {
-	case workerReplies:
-		c.onReplies(ev)
-	case workerExit:
-		c.onExit(ev)
-	case faninFlushed:
-		c.onFlushed(ev)
-	default:
-		panic(fmt.Sprintf("coordinator: unknown event %T", ev)) // our own tables disagree
-	}
+// event is what another goroutine sends the coordinator. Each kind names its handler, so the
+// loop cannot be sent a kind it does not handle (the compiler checks what a type switch could
+// only find at run time).
+type event interface {
+	handleIn(c *coordinator)
+}
+
+func (ev workerReplies) handleIn(c *coordinator) { c.onReplies(ev) } // outcome.go
+func (ev workerExit) handleIn(c *coordinator)    { c.onExit(ev) }    // supervise.go
+func (ev faninFlushed) handleIn(c *coordinator)  { c.onFlushed(ev) } // fanin.go
+
+func (c *coordinator) handle(ev event) { ev.handleIn(c) }
+
+// budget is the context of one of the loop's own statements: dbStatementBudget at most.
+func (c *coordinator) budget() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(c.ctx, dbStatementBudget)
 }
 
 // settle does the database work the events asked for: queued writes, due retries, the claim.
@@ -226,7 +254,9 @@ func (c *coordinator) settle() {
 		c.timers.scheduleEarlier(timerKey{kind: timerFanin}, at)
 	}
 	if c.retryWanted {
-		n, next, err := flipDue(c.ctx, c.inst.conn)
+		ctx, cancel := c.budget()
+		n, next, err := flipDue(ctx, c.inst.conn)
+		cancel()
 		if err != nil {
 			c.dbTrouble("return due paused rows", err)
 			return
@@ -328,7 +358,7 @@ func (c *coordinator) onTimers() {
 		case timerRetention:
 			c.timers.schedule(key, now.Add(retentionEvery))
 			if c.inflightAll == 0 && !c.shutdown {
-				ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
+				ctx, cancel := c.budget()
 				n, err := c.retain.turn(ctx, c.db)
 				cancel()
 				if err != nil {

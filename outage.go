@@ -19,7 +19,7 @@ func (c *coordinator) dbTrouble(what string, err error) {
 		c.log.Error("database connection lost; claims stop until the lock is taken again", "op", what, "err", err)
 		c.locked = false
 		c.claimer.close()
-		c.timers.schedule(timerKey{kind: timerRelock}, time.Now().Add(c.relockBackof.next()))
+		c.timers.schedule(timerKey{kind: timerRelock}, time.Now().Add(c.relockBackoff.next()))
 		return
 	}
 	d := c.dbBackoff.next()
@@ -37,19 +37,21 @@ func (c *coordinator) pingLock() error {
 
 // relock tries to take the single-instance lock again after its connection was lost.
 func (c *coordinator) relock() {
-	err := c.inst.relock(c.ctx)
+	ctx, cancel := c.budget()
+	err := c.inst.relock(ctx)
+	cancel()
 	switch {
 	case err == nil:
 		c.log.Info("single-instance lock taken again; claims resume")
 		c.locked = true
-		c.relockBackof.reset()
+		c.relockBackoff.reset()
 		c.dbBackoff.reset()
 		c.dbWaiting = false
 		c.claimWanted, c.retryWanted = true, true
 	case errors.Is(err, errLockLost):
 		c.fatal = err
 	default:
-		d := c.relockBackof.next()
+		d := c.relockBackoff.next()
 		c.log.Warn("cannot take the single-instance lock again yet", "err", err, "retry_in", d.Round(time.Millisecond))
 		c.timers.schedule(timerKey{kind: timerRelock}, time.Now().Add(d))
 	}

@@ -137,7 +137,9 @@ func (c *coordinator) protocolError(w *worker, reason string) {
 // writeOutcomes sends the queued failure and reset writes; false if the database refused.
 func (c *coordinator) writeOutcomes() bool {
 	if len(c.failures) > 0 {
-		out, err := writeFailures(c.ctx, c.inst.conn, c.failures)
+		ctx, cancel := c.budget()
+		out, err := writeFailures(ctx, c.inst.conn, c.failures)
+		cancel()
 		if err != nil {
 			c.dbTrouble("record failures", err)
 			return false
@@ -164,7 +166,9 @@ func (c *coordinator) writeOutcomes() bool {
 		c.failures = c.failures[:0]
 	}
 	if len(c.resets) > 0 {
-		n, err := writeResets(c.ctx, c.inst.conn, c.resets)
+		ctx, cancel := c.budget()
+		n, err := writeResets(ctx, c.inst.conn, c.resets)
+		cancel()
 		if err != nil {
 			c.dbTrouble("reset messages to pending", err)
 			return false

@@ -27,26 +27,33 @@ func (c *coordinator) setStages(stages map[string]*StageConfig) {
 	}
 }
 
+// reloadError is a reload that failed. It is fatal with exit status 1 (dispatch.md), not
+// start-up's configuration status 2, although it wraps the configError that says what is
+// wrong: run's exit-status mapping tests for this type before configError.
+type reloadError struct{ err error }
+
+func (e *reloadError) Error() string { return "reload: " + e.err.Error() }
+func (e *reloadError) Unwrap() error { return e.err }
+
 // reload rebuilds the stage table from the file and the config table.
 func (c *coordinator) reload() {
 	c.reloadWanted = false
-	overlay, err := readOverlay(c.ctx, c.inst.conn)
+	ctx, cancel := c.budget()
+	overlay, err := readOverlay(ctx, c.inst.conn)
+	cancel()
 	if err != nil {
 		c.reloadWanted = true
 		c.dbTrouble("read config table", err)
 		return
 	}
-	// A reload that fails is fatal with exit status 1 (dispatch.md), not the start-up
-	// configuration status 2: the errors are formatted, not wrapped, so the configError type
-	// does not reach run's exit-status mapping.
 	fresh, err := loadConfig(c.cfg.Path)
 	if err != nil {
-		c.fatal = fmt.Errorf("reload: %s", err)
+		c.fatal = &reloadError{err}
 		return
 	}
 	stages, err := buildStages(fresh.stageEntries, overlay)
 	if err != nil {
-		c.fatal = fmt.Errorf("reload: the stage graph does not validate: %s", err)
+		c.fatal = &reloadError{fmt.Errorf("the stage graph does not validate: %w", err)}
 		return
 	}
 	if fresh.Dispatch != c.cfg.Dispatch || fresh.DSN != c.cfg.DSN || fresh.PoolCounter != c.cfg.PoolCounter {

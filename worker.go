@@ -80,7 +80,7 @@ type workerExit struct {
 
 // startWorker starts PROGRAM for stage s. The replies and the exit are sent to events; the
 // goroutines are tracked by wg and give up sending when ctx ends.
-func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- any, log *slog.Logger,
+func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- event, log *slog.Logger,
 	id int, s *StageConfig, gen int, env []string, configFile string) (*worker, error) {
 	args := []string{}
 	if configFile != "" {
@@ -138,7 +138,7 @@ func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- any, log
 }
 
 // readLoop reads status lines until EOF, sending each burst of complete lines as one event.
-func (w *worker) readLoop(ctx context.Context, out *os.File, events chan<- any) {
+func (w *worker) readLoop(ctx context.Context, out *os.File, events chan<- event) {
 	r := bufio.NewReaderSize(out, 16<<10)
 	for {
 		var lines []string
@@ -207,7 +207,7 @@ func readReplyLine(r *bufio.Reader) (string, error) {
 }
 
 // waitLoop waits for the process to exit and for its output to be read, then reports the exit.
-func (w *worker) waitLoop(ctx context.Context, events chan<- any, readDone, logDone <-chan struct{}, outR, errR *os.File) {
+func (w *worker) waitLoop(ctx context.Context, events chan<- event, readDone, logDone <-chan struct{}, outR, errR *os.File) {
 	err := w.cmd.Wait()
 	// Wait returns when the process exits; its stdout may still hold replies we must deliver
 	// before the exit, and a grandchild may hold the pipes open: kill the group, then force EOF.
