@@ -85,7 +85,6 @@ type fanin struct {
 	sweepAfter int64          // the sweep's keyset cursor; 0 = start of a pass
 	failpoint  string         // PEPSI_FAILPOINT, "" in production
 	stats      *faninCounters // in c.stats
-	log        func(string, ...any)
 }
 
 func newFanin(cfg DispatchConfig, stats *faninCounters) *fanin {
