@@ -6,6 +6,11 @@
 // of the loop handles one event, drains whatever else is pending (so per-stage free capacity is
 // current), then settles: writes queued outcomes, returns due paused rows, and claims for every
 // stage with free capacity in one statement. Then it sleeps until the next event or deadline.
+//
+// This file keeps the loop and the state; the handlers it calls are methods of the same
+// coordinator, in the files named for what they handle: claim.go (claim, hand-out),
+// outcome.go (replies), supervise.go (worker lives and exits), reload.go, shutdown.go,
+// outage.go (refused statements, lost lock), stats.go (flush), fanin.go (fan-in).
 
 package main
 
