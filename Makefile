@@ -5,12 +5,17 @@ DESTDIR ?=
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 GO      ?= go
 FUZZTIME ?= 20s
+# staticcheck, pinned: 2026.2.2 (v0.8.2) is a release that supports go 1.26. `make staticcheck`
+# installs it from the Go module proxy into GOBIN (or GOPATH/bin) unless that version is there.
+STATICCHECK_VERSION ?= v0.8.2
+GOBIN_DIR   = $(shell d=$$($(GO) env GOBIN); [ -n "$$d" ] || d=$$($(GO) env GOPATH)/bin; echo $$d)
+STATICCHECK = $(GOBIN_DIR)/staticcheck
 
 BINDIR   = $(DESTDIR)$(PREFIX)/bin
 MANDIR   = $(DESTDIR)$(PREFIX)/share/man
 SHAREDIR = $(DESTDIR)$(PREFIX)/share/pepsi
 
-.PHONY: help build test race vet fuzz demo bench clean
+.PHONY: help build test race vet staticcheck fuzz demo bench clean
 
 include dist/install.mk
 
@@ -29,6 +34,11 @@ race: test  ## alias of test: the suite always runs under the race detector
 
 vet:  ## go vet
 	$(GO) vet ./...
+
+staticcheck:  ## staticcheck over every package of the module (staticcheck.conf); installs it if missing
+	@$(STATICCHECK) -version 2>/dev/null | grep -qF '($(STATICCHECK_VERSION:v%=%))' || \
+		GOBIN=$(GOBIN_DIR) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
+	$(STATICCHECK) ./...
 
 fuzz:  ## run each parser fuzzer for FUZZTIME (INI, worker replies, lock protocol lines)
 	$(GO) test -run '^$$' -fuzz '^FuzzINI$$' -fuzztime $(FUZZTIME) -timeout 5m .

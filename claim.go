@@ -159,3 +159,86 @@ func (cl *claimer) close() {
 		cl.stmt, cl.conn = nil, nil
 	}
 }
+
+// claim takes work for every stage with free capacity in one statement and hands it out.
+func (c *coordinator) claim() {
+	now := time.Now()
+	clear(c.want)
+	for name, p := range c.pools {
+		if p.held(now) {
+			continue
+		}
+		if free := p.cfg.Capacity() - c.inflight[name]; free > 0 {
+			c.want[name] = free
+		}
+	}
+	c.claimWanted = false
+	if len(c.want) == 0 {
+		return // every stage is full or held: replies and timers will ask again
+	}
+	ctx, cancel := c.budget()
+	res, err := c.claimer.claim(ctx, c.inst.conn, c.want)
+	cancel()
+	if err != nil {
+		c.claimWanted = true
+		c.dbTrouble("claim", err)
+		return
+	}
+	c.dbBackoff.reset()
+	c.scheduleRetry(res.nextRetry)
+	c.fanin.inbox = res.inbox
+	c.fanin.learn(res.remaining)
+	c.backlog = false
+	if res.total == 0 {
+		return
+	}
+	c.stats.Global.Claims++
+	for name, msgs := range res.byStage {
+		if len(msgs) == c.want[name] {
+			c.backlog = true
+		}
+		c.assign(c.pools[name], msgs)
+	}
+}
+
+// assign hands claimed messages (in id order) to the stage's workers, packing them.
+func (c *coordinator) assign(p *pool, msgs []*message) {
+	now := time.Now()
+	for len(msgs) > 0 {
+		w := p.pick()
+		if w == nil {
+			if !p.canGrow(now) {
+				break
+			}
+			if w = c.spawn(p, now); w == nil {
+				break
+			}
+		}
+		n := min(p.room(w), len(msgs))
+		batch := msgs[:n:n]
+		msgs = msgs[n:]
+		if len(w.queue) == 0 {
+			w.headAt = now
+			c.timers.scheduleEarlier(timerKey{timerWatchdog, w.id}, now.Add(c.cfg.Dispatch.MaxRuntime))
+		}
+		w.queue = append(w.queue, batch...)
+		w.sent += n
+		c.inflight[p.cfg.Name] += n
+		c.inflightAll += n
+		c.stats.Global.StageRuns += int64(n)
+		var err error
+		if c.sendBuf, err = w.send(batch, c.sendBuf); err != nil {
+			// The worker is dying; its exit fails the head and puts the rest back.
+			c.log.Warn("write to worker failed", "stage", w.stage, "pid", w.pid, "err", err)
+			w.kill()
+		}
+		if w.sent >= p.cfg.MaxMessages {
+			w.spent()
+		}
+	}
+	if len(msgs) > 0 {
+		// No worker could take them (the program would not start): they were claimed, so
+		// they go back to pending, untouched.
+		c.resets = append(c.resets, msgs...)
+	}
+}

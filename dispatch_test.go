@@ -10,6 +10,9 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"reflect"
+	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -186,12 +189,20 @@ func FuzzINI(f *testing.F) {
 
 func TestParseReply(t *testing.T) {
 	good := map[string]reply{
-		"0": {0, ""}, "0 done": {0, "done"}, "1 boom": {1, "boom"}, "12 a b  c": {12, "a b  c"},
-		"007 x": {7, "x"}, "0 ": {0, ""},
+		"0": {status: 0}, "0 done": {status: 0, text: "done", done: true}, "1 boom": {status: 1, text: "boom"},
+		"12 a b  c": {status: 12, text: "a b  c"}, "007 x": {status: 7, text: "x"}, "0 ": {status: 0},
+		"1 done": {status: 1, text: "done"}, // a failure's text is its reason, not outcome words
+		"0 fused=b:3,c:4 done": {status: 0, text: "fused=b:3,c:4 done", done: true,
+			fused: []fusedPass{{"b", 3}, {"c", 4}}},
+		"0 fused=b:3,X:1,c:2": {status: 0, text: "fused=b:3,X:1,c:2", fused: []fusedPass{{"b", 3}},
+			malformed: []string{"fused=b:3,X:1,c:2"}},
+		"0 fused=b:-1 fused=c:0": {status: 0, text: "fused=b:-1 fused=c:0", fused: []fusedPass{{"c", 0}},
+			malformed: []string{"fused=b:-1"}},
+		"0 undone fused": {status: 0, text: "undone fused"},
 	}
 	for in, want := range good {
 		got, err := parseReply(in)
-		if err != nil || got != want {
+		if err != nil || !reflect.DeepEqual(got, want) {
 			t.Errorf("parseReply(%q) = %+v, %v; want %+v", in, got, err, want)
 		}
 	}
@@ -202,8 +213,9 @@ func TestParseReply(t *testing.T) {
 	}
 }
 
+// FuzzReply covers the whole grammar: the status, and on success the outcome words.
 func FuzzReply(f *testing.F) {
-	for _, s := range []string{"0", "1 reason", "garbage", "0 fused=b:3,c:4 done", ""} {
+	for _, s := range []string{"0", "1 reason", "garbage", "0 fused=b:3,c:4 done", "", "0 fused=b:x,c:1", "0 done done fused="} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, line string) {
@@ -216,6 +228,41 @@ func FuzzReply(f *testing.F) {
 		}
 		if r.status < 0 || !strings.HasPrefix(line, fmt.Sprint(r.status)) && !strings.HasPrefix(line, "0") {
 			t.Fatalf("status %d from %q", r.status, line)
+		}
+		words := strings.Fields(r.text)
+		if r.status != 0 && (r.done || r.fused != nil || r.malformed != nil) {
+			t.Fatalf("outcome words parsed from a failure %q: %+v", line, r)
+		}
+		if r.status == 0 && r.done != slices.Contains(words, "done") {
+			t.Fatalf("done = %v from %q", r.done, line)
+		}
+		// Rebuild the fused= words from the result: every pass must come from the text, in
+		// order, and every malformed word must be a fused= word of the text.
+		var passes []string
+		for _, w := range words {
+			if list, ok := strings.CutPrefix(w, "fused="); ok && r.status == 0 {
+				passes = append(passes, strings.Split(list, ",")...)
+			}
+		}
+		i := 0
+	next:
+		for _, p := range r.fused {
+			if p.ms < 0 || !stageNameRe.MatchString(p.stage) {
+				t.Fatalf("fused pass %+v from %q", p, line)
+			}
+			for ; i < len(passes); i++ {
+				name, ms, _ := strings.Cut(passes[i], ":")
+				if v, err := strconv.ParseInt(ms, 10, 64); err == nil && name == p.stage && v == p.ms {
+					i++
+					continue next
+				}
+			}
+			t.Fatalf("fused pass %+v not in %q, in order", p, line)
+		}
+		for _, m := range r.malformed {
+			if !strings.HasPrefix(m, "fused=") || !slices.Contains(words, m) {
+				t.Fatalf("malformed word %q not a fused= word of %q", m, line)
+			}
 		}
 	})
 }

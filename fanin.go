@@ -57,7 +57,8 @@ const (
 	faninQuietHints    = 100
 )
 
-// faninCounters are the fan-in statistics (dispatch_stats columns of the same names).
+// faninCounters are the fan-in statistics (dispatch_stats columns of the same names; their
+// rows in stats.go's dispatchCounterDefs drive the flush and /metrics).
 type faninCounters struct {
 	Events        int64 // inbox rows consumed
 	Flushes       int64 // flush statements
@@ -66,12 +67,6 @@ type faninCounters struct {
 	LateEvents    int64 // events of groups already fired
 	SweepRepaired int64 // groups whose counters the sweep had to correct (alarm)
 	Quarantined   int64 // groups whose events tripped a guard (alarm)
-}
-
-func (f faninCounters) sub(o faninCounters) faninCounters {
-	return faninCounters{f.Events - o.Events, f.Flushes - o.Flushes, f.FlushMs - o.FlushMs,
-		f.Wakes - o.Wakes, f.LateEvents - o.LateEvents, f.SweepRepaired - o.SweepRepaired,
-		f.Quarantined - o.Quarantined}
 }
 
 // fanin is the coordinator's fan-in state.
@@ -90,7 +85,6 @@ type fanin struct {
 	sweepAfter int64          // the sweep's keyset cursor; 0 = start of a pass
 	failpoint  string         // PEPSI_FAILPOINT, "" in production
 	stats      *faninCounters // in c.stats
-	log        func(string, ...any)
 }
 
 func newFanin(cfg DispatchConfig, stats *faninCounters) *fanin {

@@ -92,9 +92,13 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	}
 	err = serve(ctx, cfg, log)
 	var ce *configError
+	var re *reloadError
 	switch {
 	case err == nil:
 		return 0
+	case errors.As(err, &re):
+		log.Error("fatal", "err", err) // a reload's mistake ends a running dispatcher: 1
+		return 1
 	case errors.As(err, &ce):
 		fmt.Fprintf(stderr, "pepsi-dispatch: %v\n", err)
 		log.Error("configuration error", "err", err)
@@ -263,20 +267,21 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 
 	cctx, stop := context.WithCancel(ctx)
 	defer stop()
-	c := newCoordinator(cctx, &run, log, db, inst, listener.Notify, sigs, version)
+	var retain *retainer
+	if cfg.Dispatch.Retention > 0 {
+		retain = &retainer{age: cfg.Dispatch.Retention}
+	}
 	if metrics != nil {
 		metrics.db = db
-		c.metrics = metrics
+	}
+	c := newCoordinator(cctx, coordinatorDeps{cfg: &run, version: version, log: log, db: db, inst: inst,
+		notify: listener.Notify, sigs: sigs, hups: hups, metrics: metrics, notifier: sd, retain: retain})
+	if metrics != nil {
 		metrics.publish(c.snapshot())
 		metrics.start()
 	}
 	if err := c.faninStartup(); err != nil {
 		return err
-	}
-	c.notifier = sd
-	c.hups = hups
-	if cfg.Dispatch.Retention > 0 {
-		c.retain = &retainer{age: cfg.Dispatch.Retention}
 	}
 	log.Info("dispatching", "stages", len(stages), "orphans_reset", orphans)
 	sd.send("READY=1")

@@ -140,6 +140,14 @@ func (p *promWriter) sample(name, typ, help, labels string, v any) {
 	fmt.Fprintf(p.w, "%s%s %v\n", name, labels, v)
 }
 
+// counterValue is a counter's /metrics value: milliseconds shown as seconds.
+func counterValue(def counterDef, v int64) any {
+	if def.ms {
+		return fmt.Sprintf("%.3f", float64(v)/1000)
+	}
+	return v
+}
+
 func stageLabel(name string) string { return fmt.Sprintf("stage=%q", name) }
 
 func (m *metricsServer) write(ctx context.Context, w io.Writer) {
@@ -149,20 +157,9 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 		p.sample("pepsi_start_time_seconds", "gauge", "When this dispatcher started (Unix time).", "", s.started.Unix())
 		p.sample("pepsi_instance_epoch", "gauge", "Start number of this dispatcher in dispatch_instance.", "", s.epoch)
 		p.sample("pepsi_snapshot_age_seconds", "gauge", "Age of the coordinator's snapshot behind these figures.", "", fmt.Sprintf("%.3f", time.Since(s.at).Seconds()))
-		g := s.global
-		p.sample("pepsi_stage_runs_total", "counter", "Messages handed to workers.", "", g.StageRuns)
-		p.sample("pepsi_claims_total", "counter", "Claim statements that returned rows.", "", g.Claims)
-		p.sample("pepsi_messages_done_total", "counter", "Messages reported as reaching done.", "", g.Done)
-		p.sample("pepsi_messages_failed_total", "counter", "Messages the dispatcher marked failed.", "", g.Failed)
-		p.sample("pepsi_retried_total", "counter", "Paused rows returned to pending.", "", g.Retried)
-		fi := s.fanin
-		p.sample("pepsi_fanin_events_total", "counter", "Fan-in inbox rows consumed.", "", fi.Events)
-		p.sample("pepsi_fanin_flushes_total", "counter", "Fan-in flush statements.", "", fi.Flushes)
-		p.sample("pepsi_fanin_flush_seconds_total", "counter", "Time spent in fan-in flushes.", "", fmt.Sprintf("%.3f", float64(fi.FlushMs)/1000))
-		p.sample("pepsi_fanin_wakes_total", "counter", "Parents woken by fan-in.", "", fi.Wakes)
-		p.sample("pepsi_fanin_late_events_total", "counter", "Events of groups already fired.", "", fi.LateEvents)
-		p.sample("pepsi_fanin_sweep_repaired_total", "counter", "Groups the sweep had to correct (alarm: should stay 0).", "", fi.SweepRepaired)
-		p.sample("pepsi_fanin_quarantined_total", "counter", "Groups whose evidence tripped a guard (alarm: should stay 0).", "", fi.Quarantined)
+		for _, def := range dispatchCounterDefs {
+			p.sample(def.metric, "counter", def.help, "", counterValue(def.counterDef, def.get(&s.global, &s.fanin)))
+		}
 		p.sample("pepsi_workers", "gauge", "Live worker processes.", "", s.workers)
 		p.sample("pepsi_in_flight", "gauge", "Messages in workers' queues.", "", s.inflight)
 		for _, st := range s.stages {
@@ -175,29 +172,13 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 			}
 			p.sample("pepsi_stage_held", "gauge", "1 while the stage's program is on launch cool-down.", l, held)
 		}
-		for _, f := range []struct {
-			name, help string
-			v          func(stageCounters) int64
-		}{
-			{"pepsi_stage_processed_total", "Status lines with status 0.", func(c stageCounters) int64 { return c.Processed }},
-			{"pepsi_stage_failed_total", "Non-zero statuses and protocol errors.", func(c stageCounters) int64 { return c.Failed }},
-			{"pepsi_stage_crashed_total", "Workers that died with a message of the stage at their head.", func(c stageCounters) int64 { return c.Crashed }},
-			{"pepsi_stage_timeouts_total", "Messages killed by the MAX_RUNTIME watchdog.", func(c stageCounters) int64 { return c.Timeouts }},
-			{"pepsi_stage_fused_total", "Passes of the stage run inside another stage's worker.", func(c stageCounters) int64 { return c.Fused }},
-			{"pepsi_stage_busy_seconds_total", "Processing time.", nil},
-			{"pepsi_stage_max_seconds", "Longest single message since start.", nil},
-			{"pepsi_stage_workers_started_total", "Worker processes started.", func(c stageCounters) int64 { return c.WorkersStarted }},
-		} {
+		for _, def := range stageCounterDefs {
+			typ := "counter"
+			if def.max {
+				typ = "gauge"
+			}
 			for _, st := range s.stages {
-				l := stageLabel(st.name)
-				switch f.name {
-				case "pepsi_stage_busy_seconds_total":
-					p.sample(f.name, "counter", f.help, l, fmt.Sprintf("%.3f", float64(st.c.BusyMs)/1000))
-				case "pepsi_stage_max_seconds":
-					p.sample(f.name, "gauge", f.help, l, fmt.Sprintf("%.3f", float64(st.c.MaxMs)/1000))
-				default:
-					p.sample(f.name, "counter", f.help, l, f.v(st.c))
-				}
+				p.sample(def.metric, typ, def.help, stageLabel(st.name), counterValue(def.counterDef, *def.field(&st.c)))
 			}
 		}
 	}

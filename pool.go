@@ -5,29 +5,18 @@
 // first), so that surplus workers fall idle and are stopped after WORKER_IDLE_TIMEOUT. A
 // worker that has been sent MAX_MESSAGES drains and is replaced on demand. A stage whose
 // program cannot start, or dies before answering anything, is held for a cool-down that doubles
-// up to holdMax, instead of being restarted in a loop (Postfix master_throttle).
+// up to holdMax, instead of being restarted in a loop (Postfix master_throttle); this file
+// only reads the hold.
 //
-// The mechanism (exec, pipes, kill) is worker.go's; this file only decides. The coordinator
-// goroutine owns every pool.
+// The mechanism (start, stop, kill, reap, the hold) is supervise.go's, the process itself
+// worker.go's; this file only decides, as Postfix's master_avail.c "invokes no code in other
+// master_XXX modules". The coordinator goroutine owns every pool.
 
 package main
 
 import (
 	"strings"
 	"time"
-)
-
-const (
-	holdMin = 1 * time.Second  // first cool-down of a stage whose program cannot start
-	holdMax = 60 * time.Second // the cool-down doubles up to this
-
-	// startupWindow: a worker that dies without answering within this long after its start
-	// is taken for a program that cannot start (held stage, messages untouched), not for a
-	// message that crashed it (head failed).
-	startupWindow = 5 * time.Second
-
-	// stopLinger is how long a worker whose stdin we closed may take to exit before it is killed.
-	stopLinger = 5 * time.Second
 )
 
 // pool is the set of workers of one stage.
@@ -70,23 +59,6 @@ func fuseList(stages map[string]*StageConfig, name string) string {
 	}
 	return strings.Join(out, " ")
 }
-
-// held reports whether the stage is cooling down.
-func (p *pool) held(now time.Time) bool { return now.Before(p.holdUntil) }
-
-// hold puts the stage on cool-down and returns its length.
-func (p *pool) hold(now time.Time) time.Duration {
-	if p.holdDelay == 0 {
-		p.holdDelay = holdMin
-	}
-	d := p.holdDelay
-	p.holdUntil = now.Add(d)
-	p.holdDelay = min(2*p.holdDelay, holdMax)
-	return d
-}
-
-// unhold forgets the cool-down history once a worker of the stage has proved it can work.
-func (p *pool) unhold() { p.holdDelay = 0 }
 
 // running counts the workers that take new messages (draining ones are on their way out
 // and do not count against PARALLELISM: capacity is bounded by in-flight messages anyway).

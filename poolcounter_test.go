@@ -1604,7 +1604,7 @@ func TestPoolCounterParse(t *testing.T) {
 		{"ACQ4ME\tk 1 1 1", pcRequest{}},
 	} {
 		got := parsePoolCounterLine([]byte(tc.line))
-		if fmt.Sprintf("%s", got) != fmt.Sprintf("%s", tc.want) {
+		if got.String() != tc.want.String() {
 			t.Errorf("%q: got %s, want %s", tc.line, got, tc.want)
 		}
 	}

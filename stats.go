@@ -13,58 +13,100 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
+	"time"
 
 	"github.com/lib/pq"
 )
 
-// stageCounters are one stage's totals since start. Each counter is listed once here.
+// stageCounters are one stage's totals since start (stage_stats, one row per stage).
 type stageCounters struct {
-	Processed      int64 // status lines with status 0
-	Failed         int64 // non-zero status or protocol error
-	Crashed        int64 // worker died with a message of this stage at its head
-	Timeouts       int64 // head killed by the MAX_RUNTIME watchdog
-	Fused          int64 // passes of this stage run inside another stage's worker
-	BusyMs         int64 // processing time, summed
-	MaxMs          int64 // longest single message (not a sum: flushed with GREATEST)
-	WorkersStarted int64 // worker processes started
+	Processed      int64
+	Failed         int64
+	Crashed        int64
+	Timeouts       int64
+	Fused          int64
+	BusyMs         int64
+	MaxMs          int64 // not a sum: flushed with GREATEST, carried whole in a delta
+	WorkersStarted int64
 }
 
-// sub returns the counters accumulated since old (MaxMs is carried as is).
-func (c stageCounters) sub(old stageCounters) stageCounters {
-	return stageCounters{
-		Processed:      c.Processed - old.Processed,
-		Failed:         c.Failed - old.Failed,
-		Crashed:        c.Crashed - old.Crashed,
-		Timeouts:       c.Timeouts - old.Timeouts,
-		Fused:          c.Fused - old.Fused,
-		BusyMs:         c.BusyMs - old.BusyMs,
-		MaxMs:          c.MaxMs,
-		WorkersStarted: c.WorkersStarted - old.WorkersStarted,
-	}
-}
-
-func (c stageCounters) isZero() bool {
-	return c.Processed == 0 && c.Failed == 0 && c.Crashed == 0 && c.Timeouts == 0 &&
-		c.Fused == 0 && c.BusyMs == 0 && c.WorkersStarted == 0
-}
-
-// globalCounters are the dispatcher-wide totals since start.
+// globalCounters are the dispatcher-wide totals since start (dispatch_stats, with the fan-in
+// counters of fanin.go).
 type globalCounters struct {
-	StageRuns int64 // messages handed to workers
-	Claims    int64 // claim statements that returned rows
-	Done      int64 // messages whose status line reported that they reached done
-	Failed    int64 // messages the dispatcher marked failed (MAX_ATTEMPTS reached)
-	Retried   int64 // paused rows returned to pending
+	StageRuns int64
+	Claims    int64
+	Done      int64
+	Failed    int64
+	Retried   int64
 }
 
-func (g globalCounters) sub(old globalCounters) globalCounters {
-	return globalCounters{
-		StageRuns: g.StageRuns - old.StageRuns,
-		Claims:    g.Claims - old.Claims,
-		Done:      g.Done - old.Done,
-		Failed:    g.Failed - old.Failed,
-		Retried:   g.Retried - old.Retried,
+// A counterDef is one statistics counter: its column, its /metrics family, and where it lives.
+// The two tables below are the only list of the counters: the deltas, the flush statements and
+// /metrics are all driven by them, so a new counter is one field and one row (and its column
+// in schema.sql), as poolcounter.go's pcCounters is for the lock service.
+type counterDef struct {
+	column string // the column of stage_stats or dispatch_stats
+	metric string // the /metrics family
+	help   string
+	ms     bool // milliseconds: /metrics shows seconds
+	max    bool // a maximum, not a sum: a gauge, flushed with GREATEST
+}
+
+// stageCounterDefs lists stage_stats's counters, in column order.
+var stageCounterDefs = []struct {
+	counterDef
+	field func(*stageCounters) *int64
+}{
+	{counterDef{"processed", "pepsi_stage_processed_total", "Status lines with status 0.", false, false}, func(c *stageCounters) *int64 { return &c.Processed }},
+	{counterDef{"failed", "pepsi_stage_failed_total", "Non-zero statuses and protocol errors.", false, false}, func(c *stageCounters) *int64 { return &c.Failed }},
+	{counterDef{"crashed", "pepsi_stage_crashed_total", "Workers that died with a message of the stage at their head.", false, false}, func(c *stageCounters) *int64 { return &c.Crashed }},
+	{counterDef{"timeouts", "pepsi_stage_timeouts_total", "Messages killed by the MAX_RUNTIME watchdog.", false, false}, func(c *stageCounters) *int64 { return &c.Timeouts }},
+	{counterDef{"fused", "pepsi_stage_fused_total", "Passes of the stage run inside another stage's worker.", false, false}, func(c *stageCounters) *int64 { return &c.Fused }},
+	{counterDef{"busy_ms", "pepsi_stage_busy_seconds_total", "Processing time.", true, false}, func(c *stageCounters) *int64 { return &c.BusyMs }},
+	{counterDef{"max_ms", "pepsi_stage_max_seconds", "Longest single message since start.", true, true}, func(c *stageCounters) *int64 { return &c.MaxMs }},
+	{counterDef{"workers_started", "pepsi_stage_workers_started_total", "Worker processes started.", false, false}, func(c *stageCounters) *int64 { return &c.WorkersStarted }},
+}
+
+// dispatchCounterDefs lists dispatch_stats's counters, in column order: the dispatcher's own,
+// then fan-in's.
+var dispatchCounterDefs = []struct {
+	counterDef
+	get func(*globalCounters, *faninCounters) int64
+}{
+	{counterDef{"stage_runs", "pepsi_stage_runs_total", "Messages handed to workers.", false, false}, func(g *globalCounters, _ *faninCounters) int64 { return g.StageRuns }},
+	{counterDef{"claims", "pepsi_claims_total", "Claim statements that returned rows.", false, false}, func(g *globalCounters, _ *faninCounters) int64 { return g.Claims }},
+	{counterDef{"done", "pepsi_messages_done_total", "Messages reported as reaching done.", false, false}, func(g *globalCounters, _ *faninCounters) int64 { return g.Done }},
+	{counterDef{"failed", "pepsi_messages_failed_total", "Messages the dispatcher marked failed.", false, false}, func(g *globalCounters, _ *faninCounters) int64 { return g.Failed }},
+	{counterDef{"retried", "pepsi_retried_total", "Paused rows returned to pending.", false, false}, func(g *globalCounters, _ *faninCounters) int64 { return g.Retried }},
+	{counterDef{"fanin_events", "pepsi_fanin_events_total", "Fan-in inbox rows consumed.", false, false}, func(_ *globalCounters, f *faninCounters) int64 { return f.Events }},
+	{counterDef{"fanin_flushes", "pepsi_fanin_flushes_total", "Fan-in flush statements.", false, false}, func(_ *globalCounters, f *faninCounters) int64 { return f.Flushes }},
+	{counterDef{"fanin_flush_ms", "pepsi_fanin_flush_seconds_total", "Time spent in fan-in flushes.", true, false}, func(_ *globalCounters, f *faninCounters) int64 { return f.FlushMs }},
+	{counterDef{"fanin_wakes", "pepsi_fanin_wakes_total", "Parents woken by fan-in.", false, false}, func(_ *globalCounters, f *faninCounters) int64 { return f.Wakes }},
+	{counterDef{"fanin_late_events", "pepsi_fanin_late_events_total", "Events of groups already fired.", false, false}, func(_ *globalCounters, f *faninCounters) int64 { return f.LateEvents }},
+	{counterDef{"fanin_sweep_repaired", "pepsi_fanin_sweep_repaired_total", "Groups the sweep had to correct (alarm: should stay 0).", false, false}, func(_ *globalCounters, f *faninCounters) int64 { return f.SweepRepaired }},
+	{counterDef{"fanin_quarantined", "pepsi_fanin_quarantined_total", "Groups whose evidence tripped a guard (alarm: should stay 0).", false, false}, func(_ *globalCounters, f *faninCounters) int64 { return f.Quarantined }},
+}
+
+// sub returns the counters accumulated since old (a maximum is carried as is).
+func (c stageCounters) sub(old stageCounters) stageCounters {
+	d := c
+	for _, def := range stageCounterDefs {
+		if !def.max {
+			*def.field(&d) -= *def.field(&old)
+		}
 	}
+	return d
+}
+
+// isZero reports whether no sum moved (a maximum is compared by the caller).
+func (c stageCounters) isZero() bool {
+	for _, def := range stageCounterDefs {
+		if !def.max && *def.field(&c) != 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // Stats holds the totals and what was flushed of them.
@@ -116,28 +158,33 @@ func (s *Stats) dirty() bool {
 	return false
 }
 
-const flushStageSQL = `
-INSERT INTO stage_stats AS t (stage, processed, failed, crashed, timeouts, fused, busy_ms, max_ms, workers_started)
-SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[])
-ON CONFLICT (stage) DO UPDATE SET
-    processed = t.processed + EXCLUDED.processed,
-    failed = t.failed + EXCLUDED.failed,
-    crashed = t.crashed + EXCLUDED.crashed,
-    timeouts = t.timeouts + EXCLUDED.timeouts,
-    fused = t.fused + EXCLUDED.fused,
-    busy_ms = t.busy_ms + EXCLUDED.busy_ms,
-    max_ms = greatest(t.max_ms, EXCLUDED.max_ms),
-    workers_started = t.workers_started + EXCLUDED.workers_started,
-    updated_at = now()`
+// flushStageSQL adds a batch of stage deltas to stage_stats: $1 the stage names, then one
+// array per counter, in stageCounterDefs order.
+var flushStageSQL = func() string {
+	cols, params, sets := []string{"stage"}, []string{"$1::text[]"}, []string{}
+	for i, def := range stageCounterDefs {
+		cols = append(cols, def.column)
+		params = append(params, fmt.Sprintf("$%d::bigint[]", i+2))
+		if def.max {
+			sets = append(sets, fmt.Sprintf("%[1]s = greatest(t.%[1]s, EXCLUDED.%[1]s)", def.column))
+		} else {
+			sets = append(sets, fmt.Sprintf("%[1]s = t.%[1]s + EXCLUDED.%[1]s", def.column))
+		}
+	}
+	return "INSERT INTO stage_stats AS t (" + strings.Join(cols, ", ") + ")\n" +
+		"SELECT * FROM unnest(" + strings.Join(params, ", ") + ")\n" +
+		"ON CONFLICT (stage) DO UPDATE SET\n    " + strings.Join(sets, ",\n    ") + ",\n    updated_at = now()"
+}()
 
-const flushGlobalSQL = `
-UPDATE dispatch_stats SET stage_runs = stage_runs + $1, claims = claims + $2, done = done + $3,
-       failed = failed + $4, retried = retried + $5,
-       fanin_events = fanin_events + $6, fanin_flushes = fanin_flushes + $7,
-       fanin_flush_ms = fanin_flush_ms + $8, fanin_wakes = fanin_wakes + $9,
-       fanin_late_events = fanin_late_events + $10, fanin_sweep_repaired = fanin_sweep_repaired + $11,
-       fanin_quarantined = fanin_quarantined + $12, updated_at = now()
- WHERE id = 1`
+// flushGlobalSQL adds the dispatcher-wide deltas to dispatch_stats's one row, one parameter
+// per counter in dispatchCounterDefs order.
+var flushGlobalSQL = func() string {
+	var sets []string
+	for i, def := range dispatchCounterDefs {
+		sets = append(sets, fmt.Sprintf("%[1]s = %[1]s + $%[2]d", def.column, i+1))
+	}
+	return "UPDATE dispatch_stats SET " + strings.Join(sets, ", ") + ", updated_at = now()\n WHERE id = 1"
+}()
 
 // flush writes the deltas since the last flush in one transaction. Nothing is written when
 // nothing changed; on error nothing is marked flushed, so the next flush carries it.
@@ -146,7 +193,7 @@ func (s *Stats) flush(ctx context.Context, db *sql.DB) (bool, error) {
 		return false, nil
 	}
 	names := slices.Sorted(maps.Keys(s.Stages)) // fixed order: no deadlock with a concurrent flush
-	var cols [8][]int64
+	cols := make([][]int64, len(stageCounterDefs))
 	var stages []string
 	for _, name := range names {
 		d := s.Stages[name].sub(s.flushed.stages[name])
@@ -154,12 +201,17 @@ func (s *Stats) flush(ctx context.Context, db *sql.DB) (bool, error) {
 			continue
 		}
 		stages = append(stages, name)
-		for i, v := range []int64{d.Processed, d.Failed, d.Crashed, d.Timeouts, d.Fused, d.BusyMs, d.MaxMs, d.WorkersStarted} {
-			cols[i] = append(cols[i], v)
+		for i, def := range stageCounterDefs {
+			cols[i] = append(cols[i], *def.field(&d))
 		}
 	}
-	g := s.Global.sub(s.flushed.global)
-	f := s.Fanin.sub(s.flushed.fanin)
+	var globals []any
+	moved := false
+	for _, def := range dispatchCounterDefs {
+		d := def.get(&s.Global, &s.Fanin) - def.get(&s.flushed.global, &s.flushed.fanin)
+		globals = append(globals, d)
+		moved = moved || d != 0
+	}
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return false, fmt.Errorf("flush statistics: %w", err)
@@ -174,9 +226,8 @@ func (s *Stats) flush(ctx context.Context, db *sql.DB) (bool, error) {
 			return false, fmt.Errorf("flush statistics: stage_stats: %w", err)
 		}
 	}
-	if g != (globalCounters{}) || f != (faninCounters{}) {
-		if _, err := tx.ExecContext(ctx, flushGlobalSQL, g.StageRuns, g.Claims, g.Done, g.Failed, g.Retried,
-			f.Events, f.Flushes, f.FlushMs, f.Wakes, f.LateEvents, f.SweepRepaired, f.Quarantined); err != nil {
+	if moved {
+		if _, err := tx.ExecContext(ctx, flushGlobalSQL, globals...); err != nil {
 			return false, fmt.Errorf("flush statistics: dispatch_stats: %w", err)
 		}
 	}
@@ -189,4 +240,17 @@ func (s *Stats) flush(ctx context.Context, db *sql.DB) (bool, error) {
 	s.flushed.global = s.Global
 	s.flushed.fanin = s.Fanin
 	return true, nil
+}
+
+// flushStats writes the statistics deltas; a failure keeps them for the next flush.
+func (c *coordinator) flushStats() {
+	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
+	defer cancel()
+	if !c.stats.dirty() {
+		return
+	}
+	c.lastStatsFlush = time.Now()
+	if _, err := c.stats.flush(ctx, c.db); err != nil {
+		c.log.Warn("statistics not flushed; kept for the next flush", "err", err)
+	}
 }

@@ -100,12 +100,6 @@ func (h *timerHeap) cancel(key timerKey) {
 	}
 }
 
-// scheduled reports whether key has a deadline.
-func (h *timerHeap) scheduled(key timerKey) bool {
-	_, ok := h.byKey[key]
-	return ok
-}
-
 // next returns the earliest deadline, or false when the heap is empty.
 func (h *timerHeap) next() (time.Time, bool) {
 	if len(h.items) == 0 {

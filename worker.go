@@ -5,7 +5,8 @@
 // outlive a dispatcher that dies. It owns the pipes and two goroutines per process: readLoop
 // (stdout replies, then the exit status) and logLoop (stderr to the log). Those goroutines only
 // send events; every field below that is not marked otherwise is owned by the coordinator
-// goroutine. When to start or stop a worker is pool.go's business, not this file's.
+// goroutine. When to start or stop a worker is pool.go's business, how its life goes
+// supervise.go's, not this file's.
 
 package main
 
@@ -20,7 +21,6 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -34,26 +34,6 @@ const replyMaxLine = 64 << 10
 // reach EOF. Only a grandchild that inherited stdout can hold it open longer; it is then killed
 // with the rest of the process group.
 const exitReadGrace = 2 * time.Second
-
-// workerState is where a worker is in its life.
-type workerState int
-
-const (
-	workerRunning  workerState = iota // takes new messages
-	workerDraining                    // takes no new messages; stdin is closed once its queue is empty
-	workerStopping                    // stdin closed or killed; waiting for its exit
-)
-
-// workerFate records why the coordinator ended a worker, so its exit is not read as a crash.
-type workerFate int
-
-const (
-	fateNone     workerFate = iota // still alive, or died on its own (a crash)
-	fateStopped                    // stdin closed by us (idle, recycled, shutdown): a clean exit is expected
-	fateTimeout                    // killed by the watchdog: the head message timed out
-	fateProtocol                   // killed after a reply that did not parse (head already failed)
-	fateRetired                    // killed by a reload or a shutdown: its queue goes back to pending
-)
 
 // message is one claimed row in flight.
 type message struct {
@@ -100,7 +80,7 @@ type workerExit struct {
 
 // startWorker starts PROGRAM for stage s. The replies and the exit are sent to events; the
 // goroutines are tracked by wg and give up sending when ctx ends.
-func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- any, log *slog.Logger,
+func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- event, log *slog.Logger,
 	id int, s *StageConfig, gen int, env []string, configFile string) (*worker, error) {
 	args := []string{}
 	if configFile != "" {
@@ -158,7 +138,7 @@ func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- any, log
 }
 
 // readLoop reads status lines until EOF, sending each burst of complete lines as one event.
-func (w *worker) readLoop(ctx context.Context, out *os.File, events chan<- any) {
+func (w *worker) readLoop(ctx context.Context, out *os.File, events chan<- event) {
 	r := bufio.NewReaderSize(out, 16<<10)
 	for {
 		var lines []string
@@ -227,7 +207,7 @@ func readReplyLine(r *bufio.Reader) (string, error) {
 }
 
 // waitLoop waits for the process to exit and for its output to be read, then reports the exit.
-func (w *worker) waitLoop(ctx context.Context, events chan<- any, readDone, logDone <-chan struct{}, outR, errR *os.File) {
+func (w *worker) waitLoop(ctx context.Context, events chan<- event, readDone, logDone <-chan struct{}, outR, errR *os.File) {
 	err := w.cmd.Wait()
 	// Wait returns when the process exits; its stdout may still hold replies we must deliver
 	// before the exit, and a grandchild may hold the pipes open: kill the group, then force EOF.
@@ -308,43 +288,4 @@ func exitReason(st *os.ProcessState, err error) string {
 		return fmt.Sprintf("worker killed by signal %d (%s)", int(ws.Signal()), ws.Signal())
 	}
 	return fmt.Sprintf("worker exited with status %d", st.ExitCode())
-}
-
-// reply is one parsed status line.
-type reply struct {
-	status int    // 0 = success
-	text   string // reason on failure; outcome words on success
-}
-
-// replyStatusDigits bounds the status number: nine digits always fit an int, and no program
-// needs more to say "failed".
-const replyStatusDigits = 9
-
-// parseReply parses "STATUS[ TEXT]": a decimal status, optionally followed by one space and
-// text. Anything else is a protocol error: the worker and the dispatcher disagree about which
-// message a line belongs to, so nothing after it can be trusted.
-func parseReply(line string) (reply, error) {
-	num, text, _ := strings.Cut(line, " ")
-	if num == "" {
-		return reply{}, fmt.Errorf("protocol error: empty status in %q", clip(line, 80))
-	}
-	if len(num) > replyStatusDigits {
-		return reply{}, fmt.Errorf("protocol error: status %q is too long", clip(num, 20))
-	}
-	n := 0
-	for _, c := range []byte(num) {
-		if c < '0' || c > '9' {
-			return reply{}, fmt.Errorf("protocol error: status line %q does not start with a decimal status", clip(line, 80))
-		}
-		n = n*10 + int(c-'0')
-	}
-	return reply{status: n, text: text}, nil
-}
-
-// clip shortens s for a log line or a reason, marking the cut.
-func clip(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return s[:n] + "…"
 }

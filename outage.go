@@ -1,0 +1,58 @@
+// outage.go: a database that refuses a statement, and a lock connection that is lost.
+//
+// A refused statement puts the queued work on a back-off (timerDB); a lost lock connection
+// stops claims until the single-instance lock is taken again (timerRelock), or ends the run
+// if another dispatcher took it meanwhile.
+
+package main
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// dbTrouble handles a statement the database refused: if the lock connection is gone, the
+// lock is gone with it; otherwise the queued work waits for a back-off and is tried again.
+func (c *coordinator) dbTrouble(what string, err error) {
+	if isConnLost(err) || c.inst.conn == nil || c.pingLock() != nil {
+		c.log.Error("database connection lost; claims stop until the lock is taken again", "op", what, "err", err)
+		c.locked = false
+		c.claimer.close()
+		c.timers.schedule(timerKey{kind: timerRelock}, time.Now().Add(c.relockBackoff.next()))
+		return
+	}
+	d := c.dbBackoff.next()
+	c.log.Warn("database refused a statement; will retry", "op", what, "err", err, "retry_in", d.Round(time.Millisecond))
+	c.dbWaiting = true
+	c.timers.schedule(timerKey{kind: timerDB}, time.Now().Add(d))
+}
+
+// pingLock checks the lock connection, without letting a hung server hold the loop.
+func (c *coordinator) pingLock() error {
+	ctx, cancel := context.WithTimeout(c.ctx, 5*time.Second)
+	defer cancel()
+	return c.inst.conn.PingContext(ctx)
+}
+
+// relock tries to take the single-instance lock again after its connection was lost.
+func (c *coordinator) relock() {
+	ctx, cancel := c.budget()
+	err := c.inst.relock(ctx)
+	cancel()
+	switch {
+	case err == nil:
+		c.log.Info("single-instance lock taken again; claims resume")
+		c.locked = true
+		c.relockBackoff.reset()
+		c.dbBackoff.reset()
+		c.dbWaiting = false
+		c.claimWanted, c.retryWanted = true, true
+	case errors.Is(err, errLockLost):
+		c.fatal = err
+	default:
+		d := c.relockBackoff.next()
+		c.log.Warn("cannot take the single-instance lock again yet", "err", err, "retry_in", d.Round(time.Millisecond))
+		c.timers.schedule(timerKey{kind: timerRelock}, time.Now().Add(d))
+	}
+}

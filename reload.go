@@ -1,0 +1,107 @@
+// reload.go: a new stage graph while running (SIGHUP, NOTIFY config_changed).
+//
+// The file and the config table are read again; if the stages changed, a new generation of
+// pools replaces the old, and the old generation's workers are retired. A reload that does
+// not validate ends the run with exit status 1 (dispatch.md), not start-up's 2.
+
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+)
+
+// setStages installs a stage table as a new generation of pools.
+func (c *coordinator) setStages(stages map[string]*StageConfig) {
+	c.gen++
+	old := c.pools
+	c.pools = map[string]*pool{}
+	for name, s := range stages {
+		p := &pool{id: c.nextPoolID, cfg: s, gen: c.gen, fuse: fuseList(stages, name)}
+		c.nextPoolID++
+		if o := old[name]; o != nil && o.cfg.Program == s.Program {
+			p.holdUntil, p.holdDelay = o.holdUntil, o.holdDelay // same program: same trouble
+		}
+		c.pools[name] = p
+	}
+}
+
+// reloadError is a reload that failed. It is fatal with exit status 1 (dispatch.md), not
+// start-up's configuration status 2, although it wraps the configError that says what is
+// wrong: run's exit-status mapping tests for this type before configError.
+type reloadError struct{ err error }
+
+func (e *reloadError) Error() string { return "reload: " + e.err.Error() }
+func (e *reloadError) Unwrap() error { return e.err }
+
+// reload rebuilds the stage table from the file and the config table.
+func (c *coordinator) reload() {
+	c.reloadWanted = false
+	ctx, cancel := c.budget()
+	overlay, err := readOverlay(ctx, c.inst.conn)
+	cancel()
+	if err != nil {
+		c.reloadWanted = true
+		c.dbTrouble("read config table", err)
+		return
+	}
+	fresh, err := loadConfig(c.cfg.Path)
+	if err != nil {
+		c.fatal = &reloadError{err}
+		return
+	}
+	stages, err := buildStages(fresh.stageEntries, overlay)
+	if err != nil {
+		c.fatal = &reloadError{fmt.Errorf("the stage graph does not validate: %w", err)}
+		return
+	}
+	if fresh.Dispatch != c.cfg.Dispatch || fresh.DSN != c.cfg.DSN || fresh.PoolCounter != c.cfg.PoolCounter {
+		c.log.Warn("reload: [pepsi-dispatch], [database] and [poolcounter] changes need a restart; kept the running values")
+	}
+	if sameStages(stages, c.cfg.Stages) {
+		return
+	}
+	cfg := *c.cfg
+	cfg.Stages = stages
+	c.cfg = &cfg
+	c.setStages(stages)
+	c.log.Info("stage graph reloaded; retiring workers", "stages", len(stages), "workers", len(c.workers))
+	for _, w := range c.workers {
+		c.retire(w)
+	}
+	c.claimWanted = true
+}
+
+func sameStages(a, b map[string]*StageConfig) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for name, s := range a {
+		if o, ok := b[name]; !ok || !s.equal(o) {
+			return false
+		}
+	}
+	return true
+}
+
+// readOverlay reads the config table.
+func readOverlay(ctx context.Context, conn *sql.Conn) ([]overlayRow, error) {
+	rows, err := conn.QueryContext(ctx, `SELECT section, key, value FROM config ORDER BY section, key`)
+	if err != nil {
+		return nil, fmt.Errorf("read config table: %w", err)
+	}
+	defer rows.Close()
+	var out []overlayRow
+	for rows.Next() {
+		var r overlayRow
+		if err := rows.Scan(&r.Section, &r.Key, &r.Value); err != nil {
+			return nil, fmt.Errorf("read config table: %w", err)
+		}
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read config table: %w", err)
+	}
+	return out, nil
+}
