@@ -18,6 +18,8 @@ import (
 	"math/big"
 	"math/rand/v2"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"slices"
 	"sort"
 	"strconv"
@@ -27,6 +29,8 @@ import (
 	"time"
 
 	"github.com/lib/pq"
+
+	"pepsi-dispatch/internal/schemafile"
 )
 
 // faninQuerier is what the helpers run statements on: *sql.DB, *sql.Conn or *sql.Tx.
@@ -1763,7 +1767,7 @@ func TestFaninChildCursor(t *testing.T) {
 // through the range, and applying the file once more changes nothing.
 func TestFaninUpgradeIDRange(t *testing.T) {
 	s := newTestSchema(t)
-	ddl, err := os.ReadFile("schema.sql")
+	ddl, err := schemafile.Read("schema.sql")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1790,7 +1794,7 @@ func TestFaninUpgradeIDRange(t *testing.T) {
 	    WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed')`)
 
 	for pass := 1; pass <= 2; pass++ {
-		if _, err := s.DB.Exec(string(ddl)); err != nil {
+		if _, err := s.DB.Exec(ddl); err != nil {
 			t.Fatalf("apply schema.sql over the earlier version (pass %d): %v", pass, err)
 		}
 		faninCheckIDRange(t, s, open, kids)
@@ -1816,4 +1820,84 @@ func TestFaninUpgradeIDRange(t *testing.T) {
 		t.Fatalf("group %s %d/%d after the sweep, want fired 3/0", state, done, failed)
 	}
 	checkFaninInvariants(t, s)
+}
+
+// faninSchemaObjects lists what the schema schema holds: its tables, indexes, functions and
+// triggers with their definitions, one string each, sorted.
+func faninSchemaObjects(t *testing.T, s *testSchema, schema string) []string {
+	t.Helper()
+	rows, err := s.DB.Query(`
+	    SELECT 'table ' || c.relname || ' ' || c.relkind::text || ' ' ||
+	           (SELECT string_agg(a.attname || ':' || format_type(a.atttypid, a.atttypmod), ',' ORDER BY a.attnum)
+	              FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)
+	      FROM pg_class c WHERE c.relnamespace = $1::text::regnamespace AND c.relkind IN ('r', 'S')
+	    UNION ALL
+	    SELECT 'index ' || replace(indexdef, $1::text || '.', '') FROM pg_indexes WHERE schemaname = $1::text
+	    UNION ALL
+	    SELECT 'function ' || p.proname || ' ' || md5(replace(p.prosrc, $1::text, '')) || ' ' ||
+	           coalesce(array_to_string(p.proconfig, ','), '')
+	      FROM pg_proc p WHERE p.pronamespace = $1::text::regnamespace
+	    UNION ALL
+	    SELECT 'trigger ' || tg.tgname || ' ' || tg.tgenabled::text || ' ' ||
+	           replace(pg_get_triggerdef(tg.oid), $1::text || '.', '')
+	      FROM pg_trigger tg JOIN pg_class c ON c.oid = tg.tgrelid
+	     WHERE c.relnamespace = $1::text::regnamespace AND NOT tg.tgisinternal
+	    ORDER BY 1`, schema)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var objs []string
+	for rows.Next() {
+		var o string
+		if err := rows.Scan(&o); err != nil {
+			t.Fatal(err)
+		}
+		objs = append(objs, strings.ReplaceAll(o, schema, "SCHEMA"))
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return objs
+}
+
+// TestFaninSchemaInstalledPsql: the schema as the contract applies it, `psql -v
+// ON_ERROR_STOP=1 -f schema.sql` on the files `make install` puts in SHAREDIR, works (every
+// file schema.sql includes is installed beside it), works again on its own result
+// (idempotent), and makes the same objects as the tests' way of applying it
+// (internal/schemafile through database/sql), so the tests exercise what users install.
+func TestFaninSchemaInstalledPsql(t *testing.T) {
+	psql, err := exec.LookPath("psql")
+	if err != nil {
+		if m, _ := filepath.Glob("/usr/lib/postgresql/*/bin/psql"); len(m) > 0 {
+			psql, err = m[len(m)-1], nil
+		}
+	}
+	if err != nil {
+		t.Skip("psql not installed")
+	}
+	share := t.TempDir()
+	if out, err := exec.Command("make", "-s", "-f", "dist/install.mk", "install-share", "SHAREDIR="+share).CombinedOutput(); err != nil {
+		t.Fatalf("make install-share: %v\n%s", err, out)
+	}
+	ref := newTestSchema(t) // applied with internal/schemafile
+	name := ref.Name + "_psql"
+	ref.exec(t, "CREATE SCHEMA "+name)
+	t.Cleanup(func() { ref.DB.Exec("DROP SCHEMA " + name + " CASCADE") })
+	for pass := 1; pass <= 2; pass++ {
+		cmd := exec.Command(psql, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-f", filepath.Join(share, "schema.sql"), baseDSN(t))
+		cmd.Dir = t.TempDir() // \ir must resolve beside schema.sql, not in the working directory
+		cmd.Env = append(os.Environ(), "PGOPTIONS=-c search_path="+name)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("psql -f schema.sql (pass %d): %v\n%s", pass, err, out)
+		}
+	}
+	got, want := faninSchemaObjects(t, ref, name), faninSchemaObjects(t, ref, ref.Name)
+	if len(want) < 20 || !slices.ContainsFunc(want, func(o string) bool { return strings.HasPrefix(o, "function fanin_flush ") }) {
+		t.Fatalf("the reference schema lacks fan-in: %v", want)
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("psql's schema differs from internal/schemafile's:\npsql:\n  %s\nschemafile:\n  %s",
+			strings.Join(got, "\n  "), strings.Join(want, "\n  "))
+	}
 }
