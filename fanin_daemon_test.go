@@ -769,16 +769,12 @@ func TestFaninFailpointShape(t *testing.T) {
 	// complete makes a group of n children, all done, evidence in the inbox; and lost one
 	// whose last child's evidence is lost, for the sweep.
 	complete := func(n int) int64 {
-		parent := faninParent(t, s, "split")
-		kids := faninChildren(t, s, faninSplitPayloads(t, s.DB, parent, n))
-		faninClaim(t, s, kids)
+		parent, _, kids := faninClaimedGroup(t, s, n)
 		faninFinish(t, s, kids, "done")
 		return parent
 	}
 	lost := func() int64 {
-		parent := faninParent(t, s, "split")
-		kids := faninChildren(t, s, faninSplitPayloads(t, s.DB, parent, 2))
-		faninClaim(t, s, kids)
+		parent, _, kids := faninClaimedGroup(t, s, 2)
 		faninFinish(t, s, kids[:1], "done")
 		faninWriteUnseen(t, s, kids[1], "done")
 		return parent

@@ -194,6 +194,32 @@ func faninChildren(t testing.TB, s *testSchema, fid int64) []int64 {
 	return ids
 }
 
+// faninNewGroup is the setup of most tests: a parent running at "split" split into n payload
+// children at "child" (continuing at "cont"), pending. It returns the parent, the group and the
+// children in slice order.
+func faninNewGroup(t testing.TB, s *testSchema, n int) (parent, fid int64, kids []int64) {
+	t.Helper()
+	parent = faninParent(t, s, "split")
+	fid = faninSplitPayloads(t, s.DB, parent, n)
+	return parent, fid, faninChildren(t, s, fid)
+}
+
+// faninClaimedGroup is faninNewGroup with the children claimed, as the dispatcher would.
+func faninClaimedGroup(t testing.TB, s *testSchema, n int) (parent, fid int64, kids []int64) {
+	t.Helper()
+	parent, fid, kids = faninNewGroup(t, s, n)
+	faninClaim(t, s, kids)
+	return parent, fid, kids
+}
+
+// faninNewRangeGroup is faninNewGroup for a range split of [lo, hi] (faninSplitRange).
+func faninNewRangeGroup(t testing.TB, s *testSchema, lo, hi int64, maxChildren int, minSpan int64) (parent, fid int64, kids []int64) {
+	t.Helper()
+	parent = faninParent(t, s, "split")
+	fid = faninSplitRange(t, s.DB, parent, lo, hi, maxChildren, minSpan)
+	return parent, fid, faninChildren(t, s, fid)
+}
+
 // faninCheckIDRange checks the id range a split recorded for its group: from the first child
 // to the last, which the sweep's recount scans.
 func faninCheckIDRange(t testing.TB, s *testSchema, fid int64, kids []int64) {
@@ -544,9 +570,7 @@ func TestFaninSplitGuard(t *testing.T) {
 
 func TestFaninMixedOutcomes(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitRange(t, s.DB, parent, 0, 999, 10, 100) // 10 slices of 100
-	kids := faninChildren(t, s, fid)
+	parent, fid, kids := faninNewRangeGroup(t, s, 0, 999, 10, 100) // 10 slices of 100
 	faninClaim(t, s, kids)
 	failed := []int64{kids[2], kids[5], kids[9]}
 	for _, id := range failed {
@@ -614,9 +638,7 @@ func TestFaninMixedOutcomes(t *testing.T) {
 
 func TestFaninRetries(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 5)
-	kids := faninChildren(t, s, fid)
+	_, fid, kids := faninNewGroup(t, s, 5)
 	for k := 0; k < 3; k++ {
 		faninClaim(t, s, kids)
 		s.exec(t, `UPDATE workqueue SET status = 'paused', attempts = attempts + 1,
@@ -646,10 +668,7 @@ func TestFaninRetries(t *testing.T) {
 // a re-run's guarded write leave the row alone, and an unguarded done -> done is no event.
 func TestFaninDuplicateTerminal(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 2)
-	kids := faninChildren(t, s, fid)
-	faninClaim(t, s, kids)
+	_, _, kids := faninClaimedGroup(t, s, 2)
 	faninFinish(t, s, kids[:1], "done")
 	// Dispatcher restart: orphaned running rows go back to pending (kids[1] only).
 	s.exec(t, `UPDATE workqueue SET status = 'pending' WHERE status = 'running'`)
@@ -677,10 +696,7 @@ func TestFaninConcurrentLastChildren(t *testing.T) {
 	ctx := context.Background()
 	for _, n := range []int{2, 8, 64} {
 		for round := 0; round < 3; round++ {
-			parent := faninParent(t, s, "split")
-			fid := faninSplitPayloads(t, s.DB, parent, n)
-			kids := faninChildren(t, s, fid)
-			faninClaim(t, s, kids)
+			parent, _, kids := faninClaimedGroup(t, s, n)
 
 			// Each child updates in its own open transaction; all commit after a barrier.
 			txs := make([]*sql.Tx, n)
@@ -837,10 +853,7 @@ func testFaninLostEvidence(t *testing.T, how, bounds string) {
 // does) leave a complete open group; fanin_fire_ready fires it once.
 func TestFaninFireReady(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 2)
-	kids := faninChildren(t, s, fid)
-	faninClaim(t, s, kids)
+	_, fid, kids := faninClaimedGroup(t, s, 2)
 	faninFinish(t, s, kids[:1], "done")
 	faninFinish(t, s, kids[1:], "done") // a statement of its own: its inbox row names it
 	s.exec(t, `DELETE FROM fanin_event WHERE child_id = $1`, kids[1])
@@ -872,10 +885,7 @@ func TestFaninFireReady(t *testing.T) {
 
 func TestFaninRequeueBeforeFire(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 4)
-	kids := faninChildren(t, s, fid)
-	faninClaim(t, s, kids)
+	_, fid, kids := faninClaimedGroup(t, s, 4)
 	faninFinish(t, s, kids[:2], "done")
 	faninFail(t, s, kids[2:3], "boom")
 	faninFlushAll(t, s, 10000)
@@ -908,10 +918,7 @@ func TestFaninRequeueBeforeFire(t *testing.T) {
 
 func TestFaninLateEvents(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 2)
-	kids := faninChildren(t, s, fid)
-	faninClaim(t, s, kids)
+	_, fid, kids := faninClaimedGroup(t, s, 2)
 	faninFinish(t, s, kids, "done")
 	if r := faninFlushAll(t, s, 10000); r.ParentsWoken != 1 {
 		t.Fatalf("flush: %+v", r)
@@ -934,9 +941,7 @@ func TestFaninLateEvents(t *testing.T) {
 
 func TestFaninDeleteChild(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 2)
-	kids := faninChildren(t, s, fid)
+	parent, fid, kids := faninNewGroup(t, s, 2)
 	_, err := s.DB.Exec(`DELETE FROM workqueue WHERE workqueue_id = $1`, kids[0])
 	if err == nil || !strings.Contains(err.Error(), "open fanout") {
 		t.Fatalf("delete of a child of an open group: %v, want refused", err)
@@ -960,10 +965,7 @@ func TestFaninDeleteChild(t *testing.T) {
 func TestFaninReplicaRole(t *testing.T) {
 	s := newTestSchema(t)
 	ctx := context.Background()
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 1)
-	kids := faninChildren(t, s, fid)
-	faninClaim(t, s, kids)
+	_, _, kids := faninClaimedGroup(t, s, 1)
 	c, err := s.DB.Conn(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -997,9 +999,8 @@ func TestFaninEvidenceRoles(t *testing.T) {
 		t.Run(role, func(t *testing.T) {
 			s := newTestSchema(t)
 			ctx := context.Background()
-			fa := faninSplitPayloads(t, s.DB, faninParent(t, s, "split"), 3)
-			fb := faninSplitPayloads(t, s.DB, faninParent(t, s, "split"), 2)
-			a, b := faninChildren(t, s, fa), faninChildren(t, s, fb)
+			_, fa, a := faninNewGroup(t, s, 3)
+			_, fb, b := faninNewGroup(t, s, 2)
 			var plain int64
 			if err := s.DB.QueryRow(`INSERT INTO workqueue (stage) VALUES ('child') RETURNING workqueue_id`).Scan(&plain); err != nil {
 				t.Fatal(err)
@@ -1080,9 +1081,7 @@ func TestFaninEvidenceRoles(t *testing.T) {
 
 func TestFaninNested(t *testing.T) {
 	s := newTestSchema(t)
-	outer := faninParent(t, s, "split")
-	fo := faninSplitPayloads(t, s.DB, outer, 2)
-	kids := faninChildren(t, s, fo)
+	outer, fo, kids := faninNewGroup(t, s, 2)
 	// kids[0] is itself a split stage: claimed at "split", it splits into two grandchildren.
 	s.exec(t, `UPDATE workqueue SET stage = 'split' WHERE workqueue_id = $1`, kids[0])
 	faninClaim(t, s, kids)
@@ -1595,13 +1594,9 @@ func TestFaninConcurrentFlushes(t *testing.T) {
 func TestFaninQuarantine(t *testing.T) {
 	s := newTestSchema(t)
 	// Group A: a done write escaped the trigger, then its inverse did not: done_n would go -1.
-	pa := faninParent(t, s, "split")
-	fa := faninSplitPayloads(t, s.DB, pa, 3)
-	ka := faninChildren(t, s, fa)
+	pa, fa, ka := faninNewGroup(t, s, 3)
 	// Group B: healthy, completes in the same batch.
-	pb := faninParent(t, s, "split")
-	fb := faninSplitPayloads(t, s.DB, pb, 2)
-	kb := faninChildren(t, s, fb)
+	pb, fb, kb := faninNewGroup(t, s, 2)
 	faninClaim(t, s, append(slices.Clone(ka), kb...))
 	faninWriteUnseen(t, s, ka[0], "done")
 	s.exec(t, `UPDATE workqueue SET status = 'pending' WHERE workqueue_id = $1`, ka[0]) // -1
@@ -1722,9 +1717,7 @@ func TestFaninSweepPaging(t *testing.T) {
 // TestFaninChildCursor: the keyset cursor of a range child (§3.3).
 func TestFaninChildCursor(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitRange(t, s.DB, parent, 1, 100, 2, 1) // [1, 51) and [51, 101)
-	kids := faninChildren(t, s, fid)
+	parent, _, kids := faninNewRangeGroup(t, s, 1, 100, 2, 1) // [1, 51) and [51, 101)
 	cursor := func(id int64) sql.NullInt64 {
 		var c sql.NullInt64
 		if err := s.DB.QueryRow(`SELECT fanout_child_cursor($1)`, id).Scan(&c); err != nil {
@@ -1751,9 +1744,7 @@ func TestFaninChildCursor(t *testing.T) {
 		t.Fatalf("cursor of a non-child: %v, want PF002", err)
 	}
 	// The top of int8: the cursor passes the maximum.
-	top := faninParent(t, s, "split")
-	tf := faninSplitRange(t, s.DB, top, math.MaxInt64-5, math.MaxInt64, 1, 1)
-	tk := faninChildren(t, s, tf)
+	_, _, tk := faninNewRangeGroup(t, s, math.MaxInt64-5, math.MaxInt64, 1, 1)
 	faninClaim(t, s, tk)
 	s.exec(t, `SELECT fanout_child_advance($1, 'child', $2)`, tk[0], int64(math.MaxInt64))
 	if c := cursor(tk[0]); c.Valid {
@@ -1774,9 +1765,7 @@ func TestFaninUpgradeIDRange(t *testing.T) {
 	openParent := faninParent(t, s, "split")
 	open := faninSplitPayloads(t, s.DB, openParent, 3)
 	s.exec(t, `INSERT INTO workqueue (stage, status) VALUES ('zz', 'done')`)
-	firedParent := faninParent(t, s, "split")
-	fired := faninSplitRange(t, s.DB, firedParent, 1, 20, 10, 1)
-	firedKids := faninChildren(t, s, fired)
+	_, fired, firedKids := faninNewRangeGroup(t, s, 1, 20, 10, 1)
 	faninClaim(t, s, firedKids)
 	faninFinish(t, s, firedKids, "done")
 	if r := faninFlushAll(t, s, 10000); r.GroupsFired != 1 {
