@@ -1403,10 +1403,9 @@ type faninLoad struct {
 func newFaninLoad(t *testing.T, s *testSchema, groups, perGroup int) *faninLoad {
 	l := &faninLoad{}
 	for g := 0; g < groups; g++ {
-		p := faninParent(t, s, "split")
-		fid := faninSplitPayloads(t, s.DB, p, perGroup)
+		p, _, kids := faninNewGroup(t, s, perGroup)
 		l.parents = append(l.parents, p)
-		l.kids = append(l.kids, faninChildren(t, s, fid)...)
+		l.kids = append(l.kids, kids...)
 	}
 	faninClaim(t, s, l.kids)
 	rand.Shuffle(len(l.kids), func(i, j int) { l.kids[i], l.kids[j] = l.kids[j], l.kids[i] })
