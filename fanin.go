@@ -1,7 +1,7 @@
-// fanin.go: the coordinator's side of fan-out / fan-in (fanin.md §3.4–3.8).
+// fanin.go: the coordinator's side of fan-out / fan-in (doc/design/fanin.md §3.4–3.8).
 //
 // Children record their entry into and exit from {done, failed} themselves, in their own
-// transaction, through a trigger into the fanin_event inbox (schema.sql). The coordinator is
+// transaction, through a trigger into the fanin_event inbox (fanin.sql). The coordinator is
 // the only consumer: it applies the inbox in batches (fanin_flush), which updates each group's
 // counters once per flush and wakes complete groups' parents exactly once. It learns that
 // there is something to flush from facts it already has — status lines of claimed children
@@ -10,7 +10,7 @@
 // no query of its own when idle. A slow keyset-paged sweep recounts open groups from the
 // children rows and repairs drift; a repair is an alarm.
 //
-// The wake rule (§3.7): flush at once when a hinted group may be complete (its remaining
+// The wake rule (doc/design/fanin.md §3.7): flush at once when a hinted group may be complete (its remaining
 // children ≤ the hints seen for it), else coalesce until FANIN_MIN_HINTS hints or
 // FANIN_MAX_DELAY after the previous flush. Owned by the coordinator goroutine.
 
@@ -26,7 +26,7 @@ import (
 	"github.com/lib/pq"
 )
 
-// Defaults of the fan-in keys of [pepsi-dispatch] (fanin.md §3.11).
+// Defaults of the fan-in keys of [pepsi-dispatch] (doc/design/fanin.md §3.11).
 const (
 	faninBatchDefault    = 10000
 	faninMaxDelayDefault = 250 * time.Millisecond
@@ -102,7 +102,7 @@ func newFanin(cfg DispatchConfig, stats *faninCounters) *fanin {
 }
 
 // exitAtFailpoint returns the fail hook that exits the process with status 137 (as if killed)
-// at the point named by PEPSI_FAILPOINT, for the crash tests (doc/design/fanin.md, "Testing"):
+// at the point named by PEPSI_FAILPOINT, for the crash tests (doc/design/fanin.md §3.13):
 // nil when the variable is unset or empty, as in production.
 func exitAtFailpoint(name string) func(string) {
 	if name == "" {

@@ -1,12 +1,13 @@
 -- fanin.sql: fan-out / fan-in, included by schema.sql (\ir fanin.sql); apply schema.sql, not
 -- this file alone: it needs the core tables that schema.sql creates before it.
--- The design and its invariants I1-I7: doc/design/fanin.md.
+-- The design and its invariants I1-I7: doc/design/fanin.md; a bare "§3.x" below is a section
+-- of that document.
 
 ------------------------------------------------------------------------------------------
--- Fan-out / fan-in (fanin.md, Part 2): groups of children and the exactly-once wake of their
+-- Fan-out / fan-in (doc/design/fanin.md §3): groups of children and the exactly-once wake of their
 -- parent.
 --
--- Who writes what (invariants I1-I7 of fanin.md):
+-- Who writes what (invariants I1-I7 of doc/design/fanin.md §3.1):
 --   workqueue children   INSERT by the split stage (fanout_split*), in the same transaction as
 --                        its fanout row and its parent's move to 'waiting' (I5). Afterwards
 --                        they are ordinary rows: claimed, retried and failed like any other.
@@ -34,7 +35,7 @@
 
 
 ------------------------------------------------------------------------------------------
--- Data model (fanin.md §3.2)
+-- Data model (doc/design/fanin.md §3.2)
 ------------------------------------------------------------------------------------------
 
 -- Failed children of a group, in slice order: the continuation's failed list. Only failed rows
@@ -150,7 +151,7 @@ CREATE TABLE IF NOT EXISTS fanin_quarantine (
 -- writes no event: a fired group ignores events anyway.
 --
 -- Updates, the hot path, are seen by a statement-level trigger in the ordinary roles (origin,
--- local) and by a row trigger in the replica role. The row trigger is what fanin.md describes,
+-- local) and by a row trigger in the replica role. The row trigger was the first design (doc/design/fanin.md §3.10),
 -- but a plpgsql call and an INSERT for each child cost about 21 us of the child's own
 -- transaction (measured on PostgreSQL 15: 64 children per outcome statement, 20,000 children);
 -- one INSERT ... SELECT over the statement's transition tables costs about 8 us per child, and

@@ -1,4 +1,4 @@
-// fanin_daemon_test.go: fan-out / fan-in through the real daemon (fanin.md §3.13).
+// fanin_daemon_test.go: fan-out / fan-in through the real daemon (doc/design/fanin.md §3.13).
 //
 // The SQL layer has its own tests (fanin_sql_test.go); these run pepsi-dispatch itself, with
 // real worker processes built on the stage SDK, and check at quiescence, with the same oracle

@@ -1,4 +1,4 @@
-// fanin_sql_test.go: tests of fanin.sql alone (fanin.md §3.13), against real PostgreSQL.
+// fanin_sql_test.go: tests of fanin.sql alone (doc/design/fanin.md §3.13), against real PostgreSQL.
 //
 // No dispatcher runs here: a test plays the claim by setting rows 'running' by hand, the
 // stages by writing the children's outcomes, and the coordinator by calling fanin_flush,
@@ -307,7 +307,7 @@ func faninSQLState(err error) string {
 	return ""
 }
 
-// checkFaninInvariants is the oracle of fanin.md §3.13, to be called at quiescence (every
+// checkFaninInvariants is the oracle of doc/design/fanin.md §3.13, to be called at quiescence (every
 // event flushed): it reports each violation with the rows that show it.
 func checkFaninInvariants(t testing.TB, s *testSchema) {
 	t.Helper()
@@ -419,7 +419,7 @@ func TestFaninAllDone(t *testing.T) {
 	checkFaninInvariants(t, s)
 }
 
-// TestFaninAllDone100k is T1 at N = 100,000: the split is timed (target ≤ 2 s, §4) and so is
+// TestFaninAllDone100k is T1 at N = 100,000: the split is timed (target ≤ 2 s, doc/design/fanin.md §4) and so is
 // the wake after the last child's commit.
 func TestFaninAllDone100k(t *testing.T) {
 	if testing.Short() {
@@ -1713,7 +1713,7 @@ func TestFaninSweepPaging(t *testing.T) {
 	}
 }
 
-// TestFaninChildCursor: the keyset cursor of a range child (§3.3).
+// TestFaninChildCursor: the keyset cursor of a range child (doc/design/fanin.md §3.3).
 func TestFaninChildCursor(t *testing.T) {
 	s := newTestSchema(t)
 	parent, _, kids := faninNewRangeGroup(t, s, 1, 100, 2, 1) // [1, 51) and [51, 101)

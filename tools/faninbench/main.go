@@ -1,4 +1,4 @@
-// Command faninbench measures fan-out / fan-in (issue 6, fanin.md §4) in one run, through the
+// Command faninbench measures fan-out / fan-in (issue 6, doc/design/fanin.md §4) in one run, through the
 // real daemon and a real stage program on a private PostgreSQL:
 //
 //	go run ./tools/faninbench
