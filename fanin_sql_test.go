@@ -1864,6 +1864,9 @@ func TestFaninSchemaInstalledPsql(t *testing.T) {
 	if err != nil {
 		t.Skip("psql not installed")
 	}
+	if _, err := exec.LookPath("make"); err != nil {
+		t.Skip("make not installed")
+	}
 	share := t.TempDir()
 	if out, err := exec.Command("make", "-s", "-f", "dist/install.mk", "install-share", "SHAREDIR="+share).CombinedOutput(); err != nil {
 		t.Fatalf("make install-share: %v\n%s", err, out)
