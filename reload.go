@@ -27,8 +27,9 @@ func (c *coordinator) setStages(stages map[string]*StageConfig) {
 	}
 }
 
-// reloadError is a reload that failed. It is fatal with exit status 1 (doc/design/dispatch.md §7), not
-// start-up's configuration status 2, although it wraps the configError that says what is
+// reloadError is a reload that failed. It is fatal with exit status 1
+// (doc/design/dispatch.md §7), not start-up's configuration status 2, although it wraps the
+// configError that says what is
 // wrong: run's exit-status mapping tests for this type before configError.
 type reloadError struct{ err error }
 
