@@ -20,7 +20,7 @@ import (
 	"time"
 )
 
-// Defaults of the [pepsi-dispatch] and [stage-*] keys (dispatch.md, fanin.md).
+// Defaults of the [pepsi-dispatch] and [stage-*] keys (doc/design/dispatch.md, doc/design/fanin.md §3.11).
 const (
 	maxRuntimeDefault        = 300 * time.Second
 	workerIdleTimeoutDefault = 5 * time.Second
@@ -36,7 +36,7 @@ const (
 	maxMessagesDefault = 1000
 	maxAttemptsDefault = 5
 	retryDelayDefault  = 30 * time.Second
-	maxChildrenDefault = 10000 // fanin.md §3.11
+	maxChildrenDefault = 10000 // doc/design/fanin.md §3.11
 	minSpanDefault     = 1000
 
 	// queueLimitMax bounds QUEUE_LIMIT so that a worker's whole pipeline of ids (at most
@@ -227,7 +227,7 @@ func validKey(k string) bool {
 var stageNameRe = regexp.MustCompile(`^[a-z0-9_-]+$`)
 
 // loadConfig reads and validates the file. The stage graph is validated without the
-// overlay; loadStages applies the overlay and validates again.
+// overlay; buildStages applies the overlay and validates again.
 func loadConfig(path string) (*Config, error) {
 	f, err := os.Open(path)
 	if err != nil {

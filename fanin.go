@@ -1,7 +1,7 @@
-// fanin.go: the coordinator's side of fan-out / fan-in (fanin.md §3.4–3.8).
+// fanin.go: the coordinator's side of fan-out / fan-in (doc/design/fanin.md §3.4–3.8).
 //
 // Children record their entry into and exit from {done, failed} themselves, in their own
-// transaction, through a trigger into the fanin_event inbox (schema.sql). The coordinator is
+// transaction, through a trigger into the fanin_event inbox (fanin.sql). The coordinator is
 // the only consumer: it applies the inbox in batches (fanin_flush), which updates each group's
 // counters once per flush and wakes complete groups' parents exactly once. It learns that
 // there is something to flush from facts it already has — status lines of claimed children
@@ -10,7 +10,7 @@
 // no query of its own when idle. A slow keyset-paged sweep recounts open groups from the
 // children rows and repairs drift; a repair is an alarm.
 //
-// The wake rule (§3.7): flush at once when a hinted group may be complete (its remaining
+// The wake rule (doc/design/fanin.md §3.7): flush at once when a hinted group may be complete (its remaining
 // children ≤ the hints seen for it), else coalesce until FANIN_MIN_HINTS hints or
 // FANIN_MAX_DELAY after the previous flush. Owned by the coordinator goroutine.
 
@@ -26,7 +26,7 @@ import (
 	"github.com/lib/pq"
 )
 
-// Defaults of the fan-in keys of [pepsi-dispatch] (fanin.md §3.11).
+// Defaults of the fan-in keys of [pepsi-dispatch] (doc/design/fanin.md §3.11).
 const (
 	faninBatchDefault    = 10000
 	faninMaxDelayDefault = 250 * time.Millisecond
@@ -83,24 +83,43 @@ type fanin struct {
 	failures   int            // consecutive failed flushes, for the log
 	inbox      bool           // the last claim saw unapplied events
 	sweepAfter int64          // the sweep's keyset cursor; 0 = start of a pass
-	failpoint  string         // PEPSI_FAILPOINT, "" in production
 	stats      *faninCounters // in c.stats
+
+	// fail is fault injection for the crash tests, called at each named point: nil in
+	// production, which makes every point a no-op. It never decides what runs: the flush and
+	// the sweep run the same statements in the same transactions with it set or not, so a
+	// crash test exercises the production statements (a failpoint is inert in shape). Set
+	// once in newFanin (from PEPSI_FAILPOINT) and read by the flush goroutine too.
+	fail func(point string)
 }
 
 func newFanin(cfg DispatchConfig, stats *faninCounters) *fanin {
 	return &fanin{
 		batch: cfg.FaninBatch, maxDelay: cfg.FaninMaxDelay, minHints: cfg.FaninMinHints,
 		hinted: map[int64]int{}, remaining: map[int64]int{}, stats: stats,
-		failpoint: os.Getenv("PEPSI_FAILPOINT"),
+		fail: exitAtFailpoint(os.Getenv("PEPSI_FAILPOINT")),
 	}
 }
 
-// hit exits the process at the named failpoint when PEPSI_FAILPOINT names it: fault injection
-// for the crash tests (fanin.md §3.13). Nothing happens in production (the variable is unset).
-func (f *fanin) hit(name string) {
-	if f.failpoint == name {
-		fmt.Fprintf(os.Stderr, "pepsi-dispatch: failpoint %s: exiting with status 137\n", name)
-		os.Exit(137)
+// exitAtFailpoint returns the fail hook that exits the process with status 137 (as if killed)
+// at the point named by PEPSI_FAILPOINT, for the crash tests (doc/design/fanin.md §3.13):
+// nil when the variable is unset or empty, as in production.
+func exitAtFailpoint(name string) func(string) {
+	if name == "" {
+		return nil
+	}
+	return func(point string) {
+		if point == name {
+			fmt.Fprintf(os.Stderr, "pepsi-dispatch: failpoint %s: exiting with status 137\n", point)
+			os.Exit(137)
+		}
+	}
+}
+
+// hit calls the fail hook at point; without one (production) it does nothing.
+func (f *fanin) hit(point string) {
+	if f.fail != nil {
+		f.fail(point)
 	}
 }
 
@@ -175,8 +194,11 @@ type faninFlushed struct {
 	err     error
 }
 
-// flushSQL is one flush. A failpoint between the statement and its commit needs an explicit
-// transaction; in production the statement commits on its own (one round trip).
+// flushSQL is one flush, run in an explicit transaction of its own (flushOnce): the crash
+// tests stop the process between the statement and its commit, and production runs the same
+// transaction. BEGIN and COMMIT cost two round trips more than an autocommit statement, a few
+// tens of microseconds on the flush goroutine per flush (tens of flushes per 20,000
+// children), never on the coordinator's.
 const flushSQL = `SELECT events, groups_fired, parents_woken, late_events, quarantined, open_ids, open_remaining
                     FROM fanin_flush($1)`
 
@@ -205,7 +227,7 @@ func (c *coordinator) startFlush() {
 }
 
 // runFlush applies the inbox until it is empty (or a batch comes back short). It reads only
-// the settings fixed when f was made (batch, failpoint), so it may run on the flush goroutine
+// the settings fixed when f was made (batch, the fail hook), so it may run on the flush goroutine
 // while the coordinator changes the rest of f; at start-up it runs on the coordinator's.
 func (f *fanin) runFlush(ctx context.Context, db *sql.DB) faninFlushed {
 	start := time.Now()
@@ -270,26 +292,17 @@ func (c *coordinator) onFlushed(ev faninFlushed) {
 }
 
 // flushOnce runs one fanin_flush statement on a connection of db (see runFlush: fixed
-// settings only).
+// settings and the fail hook only).
 func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, r *flushResult) error {
 	ctx, cancel := context.WithTimeout(ctx, dbStatementBudget)
 	defer cancel()
-	scan := func(row *sql.Row) error {
-		return row.Scan(&r.events, &r.groupsFired, &r.woken, &r.late, &r.quarantined,
-			pq.Array(&r.openIDs), pq.Array(&r.openRemaining))
-	}
-	if f.failpoint == "" {
-		if err := scan(db.QueryRowContext(ctx, flushSQL, f.batch)); err != nil {
-			return fmt.Errorf("fan-in flush: %w", err)
-		}
-		return nil
-	}
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("fan-in flush: begin: %w", err)
 	}
-	defer tx.Rollback() // a no-op after Commit
-	if err := scan(tx.QueryRowContext(ctx, flushSQL, f.batch)); err != nil {
+	defer tx.Rollback() // a no-op after Commit; the error of a rollback after a failure adds nothing
+	if err := tx.QueryRowContext(ctx, flushSQL, f.batch).Scan(&r.events, &r.groupsFired, &r.woken,
+		&r.late, &r.quarantined, pq.Array(&r.openIDs), pq.Array(&r.openRemaining)); err != nil {
 		return fmt.Errorf("fan-in flush: %w", err)
 	}
 	if r.events > 0 {
@@ -327,56 +340,62 @@ func (c *coordinator) faninStartup() error {
 	return nil
 }
 
-// faninSweep runs one page of the safety sweep.
+// sweepResult is one fanin_sweep call's result.
+type sweepResult struct {
+	repaired, examined, orphans, fired, woken int
+	broken                                    []int64
+	next                                      int64 // the keyset cursor for the next page; 0 ends the pass
+}
+
+// sweepOnce runs one page of the sweep from the cursor after, on conn (the coordinator's lock
+// connection), in an explicit transaction of its own, as flushOnce does and for the same
+// reason: the failpoint between the statement and its commit is inert in shape.
+func (f *fanin) sweepOnce(ctx context.Context, conn *sql.Conn, after int64, page int, minAge time.Duration) (sweepResult, error) {
+	ctx, cancel := context.WithTimeout(ctx, dbStatementBudget)
+	defer cancel()
+	var r sweepResult
+	tx, err := conn.BeginTx(ctx, nil)
+	if err != nil {
+		return r, fmt.Errorf("fan-in sweep: begin: %w", err)
+	}
+	defer tx.Rollback() // a no-op after Commit; the error of a rollback after a failure adds nothing
+	if err := tx.QueryRowContext(ctx, `
+			SELECT repaired, examined, orphans_woken, groups_fired, parents_woken, broken, next_after
+			  FROM fanin_sweep($1, $2, make_interval(secs => $3))`,
+		after, page, minAge.Seconds()).
+		Scan(&r.repaired, &r.examined, &r.orphans, &r.fired, &r.woken, pq.Array(&r.broken), &r.next); err != nil {
+		return r, fmt.Errorf("fan-in sweep: %w", err)
+	}
+	if r.repaired > 0 {
+		f.hit("fanin-sweep-before-commit")
+	}
+	if err := tx.Commit(); err != nil {
+		return r, fmt.Errorf("fan-in sweep: commit: %w", err)
+	}
+	return r, nil
+}
+
+// faninSweep runs one page of the safety sweep and schedules the next.
 func (c *coordinator) faninSweep() {
 	f := c.fanin
 	d := c.cfg.Dispatch
-	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
-	defer cancel()
-	var repaired, examined, orphans, fired, woken int
-	var broken []int64
-	var next int64
-	run := func(q interface {
-		QueryRowContext(context.Context, string, ...any) *sql.Row
-	}) error {
-		return q.QueryRowContext(ctx, `
-			SELECT repaired, examined, orphans_woken, groups_fired, parents_woken, broken, next_after
-			  FROM fanin_sweep($1, $2, make_interval(secs => $3))`,
-			f.sweepAfter, d.SweepPage, d.SweepMinAge.Seconds()).
-			Scan(&repaired, &examined, &orphans, &fired, &woken, pq.Array(&broken), &next)
-	}
-	var err error
-	if f.failpoint == "fanin-sweep-before-commit" {
-		var tx *sql.Tx
-		if tx, err = c.inst.conn.BeginTx(ctx, nil); err == nil {
-			if err = run(tx); err == nil && repaired > 0 {
-				f.hit("fanin-sweep-before-commit")
-			}
-			if err == nil {
-				err = tx.Commit()
-			} else {
-				tx.Rollback()
-			}
-		}
-	} else {
-		err = run(c.inst.conn)
-	}
+	r, err := f.sweepOnce(c.ctx, c.inst.conn, f.sweepAfter, d.SweepPage, d.SweepMinAge)
 	if err != nil {
 		c.log.Warn("fan-in sweep failed; retried at the next interval", "err", err)
 		c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(d.SweepInterval))
 		return
 	}
-	f.stats.SweepRepaired += int64(repaired)
-	f.stats.Wakes += int64(woken)
-	if repaired > 0 || orphans > 0 || len(broken) > 0 {
+	f.stats.SweepRepaired += int64(r.repaired)
+	f.stats.Wakes += int64(r.woken)
+	if r.repaired > 0 || r.orphans > 0 || len(r.broken) > 0 {
 		c.log.Warn("fan-in sweep repaired drift (completion evidence was lost or inconsistent)",
-			"repaired", repaired, "orphans_woken", orphans, "broken", broken, "examined", examined)
+			"repaired", r.repaired, "orphans_woken", r.orphans, "broken", r.broken, "examined", r.examined)
 	}
-	if woken > 0 || orphans > 0 {
+	if r.woken > 0 || r.orphans > 0 {
 		c.claimWanted = true // both are pending at their continuation now
 	}
-	f.sweepAfter = next
-	if next != 0 {
+	f.sweepAfter = r.next
+	if r.next != 0 {
 		c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(sweepNextPage))
 	} else {
 		c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(d.SweepInterval))

@@ -1,4 +1,4 @@
-// fanin_daemon_test.go: fan-out / fan-in through the real daemon (fanin.md §3.13).
+// fanin_daemon_test.go: fan-out / fan-in through the real daemon (doc/design/fanin.md §3.13).
 //
 // The SQL layer has its own tests (fanin_sql_test.go); these run pepsi-dispatch itself, with
 // real worker processes built on the stage SDK, and check at quiescence, with the same oracle
@@ -751,6 +751,89 @@ func TestFaninDaemonFailpointSweep(t *testing.T) {
 	d.stop()
 	if r := faninStat(t, s, "fanin_sweep_repaired"); r != 1 {
 		t.Errorf("dispatch_stats.fanin_sweep_repaired = %d, want 1", r)
+	}
+}
+
+// TestFaninFailpointShape: a failpoint is inert in shape. The flush and the sweep that the
+// daemon runs (flushOnce, sweepOnce) reach each failpoint inside the transaction of their
+// statement, with the statement run and nothing of it committed yet (another session still
+// sees the evidence), and the after-commit point with it committed; without a hook (as in
+// production) the same functions run the same transactions to the same result.
+func TestFaninFailpointShape(t *testing.T) {
+	s := newTestSchema(t)
+	ctx := context.Background()
+	cfg := DispatchConfig{FaninBatch: faninBatchDefault, FaninMaxDelay: faninMaxDelayDefault, FaninMinHints: faninMinHintsDefault}
+	if f := newFanin(cfg, &faninCounters{}); f.fail != nil {
+		t.Fatal("newFanin set a fail hook without PEPSI_FAILPOINT")
+	}
+	// complete makes a group of n children, all done, evidence in the inbox; and lost one
+	// whose last child's evidence is lost, for the sweep.
+	complete := func(n int) int64 {
+		parent, _, kids := faninClaimedGroup(t, s, n)
+		faninFinish(t, s, kids, "done")
+		return parent
+	}
+	lost := func() int64 {
+		parent, _, kids := faninClaimedGroup(t, s, 2)
+		faninFinish(t, s, kids[:1], "done")
+		faninWriteUnseen(t, s, kids[1], "done")
+		return parent
+	}
+	inbox := func() int { return s.count(t, `SELECT count(*) FROM fanin_event`) }
+	conn, err := s.DB.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+
+	for _, hooked := range []bool{true, false} {
+		f := newFanin(cfg, &faninCounters{})
+		var seen []string
+		if hooked {
+			f.fail = func(point string) {
+				seen = append(seen, point)
+				switch point {
+				case "fanin-flush-before-commit":
+					if n := inbox(); n == 0 {
+						t.Errorf("at %s the flush's DELETE of the inbox is already visible: it did not run in a transaction", point)
+					}
+				case "fanin-flush-after-commit":
+					if n := inbox(); n != 0 {
+						t.Errorf("at %s another session still sees %d inbox rows", point, n)
+					}
+				case "fanin-sweep-before-commit":
+					if n := s.count(t, `SELECT count(*) FROM fanin_wake_log`); n != 1 {
+						t.Errorf("at %s the sweep's fire is visible before its commit (%d wake-log rows, want the flush's 1)", point, n)
+					}
+				}
+			}
+		}
+		s.exec(t, `DELETE FROM fanin_wake_log`)
+		parent := complete(3)
+		ev := f.runFlush(ctx, s.DB)
+		if ev.err != nil || len(ev.results) != 1 || ev.results[0].woken != 1 {
+			t.Fatalf("hooked=%v: flush %+v, want one statement waking one parent", hooked, ev)
+		}
+		if _, st := faninRowStatus(t, s, parent); st != "pending" || inbox() != 0 {
+			t.Errorf("hooked=%v: after the flush the parent is %s with %d inbox rows, want pending and 0", hooked, st, inbox())
+		}
+		orphan := lost()
+		f.runFlush(ctx, s.DB)
+		r, err := f.sweepOnce(ctx, conn, 0, 500, 0)
+		if err != nil || r.repaired != 1 || r.woken != 1 {
+			t.Fatalf("hooked=%v: sweep %+v, %v: want one group repaired and its parent woken", hooked, r, err)
+		}
+		if _, st := faninRowStatus(t, s, orphan); st != "pending" {
+			t.Errorf("hooked=%v: after the sweep the parent is %s, want pending", hooked, st)
+		}
+		want := []string{"fanin-flush-before-commit", "fanin-flush-after-commit",
+			"fanin-flush-before-commit", "fanin-flush-after-commit", "fanin-sweep-before-commit"}
+		if !hooked {
+			want = nil
+		}
+		if !slices.Equal(seen, want) {
+			t.Errorf("hooked=%v: failpoints reached %v, want %v", hooked, seen, want)
+		}
 	}
 }
 

@@ -1,4 +1,4 @@
-// fanin_sql_test.go: tests of fanin.sql alone (fanin.md §3.13), against real PostgreSQL.
+// fanin_sql_test.go: tests of fanin.sql alone (doc/design/fanin.md §3.13), against real PostgreSQL.
 //
 // No dispatcher runs here: a test plays the claim by setting rows 'running' by hand, the
 // stages by writing the children's outcomes, and the coordinator by calling fanin_flush,
@@ -18,6 +18,8 @@ import (
 	"math/big"
 	"math/rand/v2"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"slices"
 	"sort"
 	"strconv"
@@ -27,6 +29,8 @@ import (
 	"time"
 
 	"github.com/lib/pq"
+
+	"pepsi-dispatch/internal/schemafile"
 )
 
 // faninQuerier is what the helpers run statements on: *sql.DB, *sql.Conn or *sql.Tx.
@@ -190,6 +194,32 @@ func faninChildren(t testing.TB, s *testSchema, fid int64) []int64 {
 	return ids
 }
 
+// faninNewGroup is the setup of most tests: a parent running at "split" split into n payload
+// children at "child" (continuing at "cont"), pending. It returns the parent, the group and the
+// children in slice order.
+func faninNewGroup(t testing.TB, s *testSchema, n int) (parent, fid int64, kids []int64) {
+	t.Helper()
+	parent = faninParent(t, s, "split")
+	fid = faninSplitPayloads(t, s.DB, parent, n)
+	return parent, fid, faninChildren(t, s, fid)
+}
+
+// faninClaimedGroup is faninNewGroup with the children claimed, as the dispatcher would.
+func faninClaimedGroup(t testing.TB, s *testSchema, n int) (parent, fid int64, kids []int64) {
+	t.Helper()
+	parent, fid, kids = faninNewGroup(t, s, n)
+	faninClaim(t, s, kids)
+	return parent, fid, kids
+}
+
+// faninNewRangeGroup is faninNewGroup for a range split of [lo, hi] (faninSplitRange).
+func faninNewRangeGroup(t testing.TB, s *testSchema, lo, hi int64, maxChildren int, minSpan int64) (parent, fid int64, kids []int64) {
+	t.Helper()
+	parent = faninParent(t, s, "split")
+	fid = faninSplitRange(t, s.DB, parent, lo, hi, maxChildren, minSpan)
+	return parent, fid, faninChildren(t, s, fid)
+}
+
 // faninCheckIDRange checks the id range a split recorded for its group: from the first child
 // to the last, which the sweep's recount scans.
 func faninCheckIDRange(t testing.TB, s *testSchema, fid int64, kids []int64) {
@@ -277,7 +307,7 @@ func faninSQLState(err error) string {
 	return ""
 }
 
-// checkFaninInvariants is the oracle of fanin.md §3.13, to be called at quiescence (every
+// checkFaninInvariants is the oracle of doc/design/fanin.md §3.13, to be called at quiescence (every
 // event flushed): it reports each violation with the rows that show it.
 func checkFaninInvariants(t testing.TB, s *testSchema) {
 	t.Helper()
@@ -389,7 +419,7 @@ func TestFaninAllDone(t *testing.T) {
 	checkFaninInvariants(t, s)
 }
 
-// TestFaninAllDone100k is T1 at N = 100,000: the split is timed (target ≤ 2 s, §4) and so is
+// TestFaninAllDone100k is T1 at N = 100,000: the split is timed (target ≤ 2 s, doc/design/fanin.md §4) and so is
 // the wake after the last child's commit.
 func TestFaninAllDone100k(t *testing.T) {
 	if testing.Short() {
@@ -540,9 +570,7 @@ func TestFaninSplitGuard(t *testing.T) {
 
 func TestFaninMixedOutcomes(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitRange(t, s.DB, parent, 0, 999, 10, 100) // 10 slices of 100
-	kids := faninChildren(t, s, fid)
+	parent, fid, kids := faninNewRangeGroup(t, s, 0, 999, 10, 100) // 10 slices of 100
 	faninClaim(t, s, kids)
 	failed := []int64{kids[2], kids[5], kids[9]}
 	for _, id := range failed {
@@ -610,9 +638,7 @@ func TestFaninMixedOutcomes(t *testing.T) {
 
 func TestFaninRetries(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 5)
-	kids := faninChildren(t, s, fid)
+	_, fid, kids := faninNewGroup(t, s, 5)
 	for k := 0; k < 3; k++ {
 		faninClaim(t, s, kids)
 		s.exec(t, `UPDATE workqueue SET status = 'paused', attempts = attempts + 1,
@@ -642,10 +668,7 @@ func TestFaninRetries(t *testing.T) {
 // a re-run's guarded write leave the row alone, and an unguarded done -> done is no event.
 func TestFaninDuplicateTerminal(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 2)
-	kids := faninChildren(t, s, fid)
-	faninClaim(t, s, kids)
+	_, _, kids := faninClaimedGroup(t, s, 2)
 	faninFinish(t, s, kids[:1], "done")
 	// Dispatcher restart: orphaned running rows go back to pending (kids[1] only).
 	s.exec(t, `UPDATE workqueue SET status = 'pending' WHERE status = 'running'`)
@@ -673,10 +696,7 @@ func TestFaninConcurrentLastChildren(t *testing.T) {
 	ctx := context.Background()
 	for _, n := range []int{2, 8, 64} {
 		for round := 0; round < 3; round++ {
-			parent := faninParent(t, s, "split")
-			fid := faninSplitPayloads(t, s.DB, parent, n)
-			kids := faninChildren(t, s, fid)
-			faninClaim(t, s, kids)
+			parent, _, kids := faninClaimedGroup(t, s, n)
 
 			// Each child updates in its own open transaction; all commit after a barrier.
 			txs := make([]*sql.Tx, n)
@@ -833,10 +853,7 @@ func testFaninLostEvidence(t *testing.T, how, bounds string) {
 // does) leave a complete open group; fanin_fire_ready fires it once.
 func TestFaninFireReady(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 2)
-	kids := faninChildren(t, s, fid)
-	faninClaim(t, s, kids)
+	_, fid, kids := faninClaimedGroup(t, s, 2)
 	faninFinish(t, s, kids[:1], "done")
 	faninFinish(t, s, kids[1:], "done") // a statement of its own: its inbox row names it
 	s.exec(t, `DELETE FROM fanin_event WHERE child_id = $1`, kids[1])
@@ -868,10 +885,7 @@ func TestFaninFireReady(t *testing.T) {
 
 func TestFaninRequeueBeforeFire(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 4)
-	kids := faninChildren(t, s, fid)
-	faninClaim(t, s, kids)
+	_, fid, kids := faninClaimedGroup(t, s, 4)
 	faninFinish(t, s, kids[:2], "done")
 	faninFail(t, s, kids[2:3], "boom")
 	faninFlushAll(t, s, 10000)
@@ -904,10 +918,7 @@ func TestFaninRequeueBeforeFire(t *testing.T) {
 
 func TestFaninLateEvents(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 2)
-	kids := faninChildren(t, s, fid)
-	faninClaim(t, s, kids)
+	_, fid, kids := faninClaimedGroup(t, s, 2)
 	faninFinish(t, s, kids, "done")
 	if r := faninFlushAll(t, s, 10000); r.ParentsWoken != 1 {
 		t.Fatalf("flush: %+v", r)
@@ -930,9 +941,7 @@ func TestFaninLateEvents(t *testing.T) {
 
 func TestFaninDeleteChild(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 2)
-	kids := faninChildren(t, s, fid)
+	parent, fid, kids := faninNewGroup(t, s, 2)
 	_, err := s.DB.Exec(`DELETE FROM workqueue WHERE workqueue_id = $1`, kids[0])
 	if err == nil || !strings.Contains(err.Error(), "open fanout") {
 		t.Fatalf("delete of a child of an open group: %v, want refused", err)
@@ -956,10 +965,7 @@ func TestFaninDeleteChild(t *testing.T) {
 func TestFaninReplicaRole(t *testing.T) {
 	s := newTestSchema(t)
 	ctx := context.Background()
-	parent := faninParent(t, s, "split")
-	fid := faninSplitPayloads(t, s.DB, parent, 1)
-	kids := faninChildren(t, s, fid)
-	faninClaim(t, s, kids)
+	_, _, kids := faninClaimedGroup(t, s, 1)
 	c, err := s.DB.Conn(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -993,9 +999,8 @@ func TestFaninEvidenceRoles(t *testing.T) {
 		t.Run(role, func(t *testing.T) {
 			s := newTestSchema(t)
 			ctx := context.Background()
-			fa := faninSplitPayloads(t, s.DB, faninParent(t, s, "split"), 3)
-			fb := faninSplitPayloads(t, s.DB, faninParent(t, s, "split"), 2)
-			a, b := faninChildren(t, s, fa), faninChildren(t, s, fb)
+			_, fa, a := faninNewGroup(t, s, 3)
+			_, fb, b := faninNewGroup(t, s, 2)
 			var plain int64
 			if err := s.DB.QueryRow(`INSERT INTO workqueue (stage) VALUES ('child') RETURNING workqueue_id`).Scan(&plain); err != nil {
 				t.Fatal(err)
@@ -1076,9 +1081,7 @@ func TestFaninEvidenceRoles(t *testing.T) {
 
 func TestFaninNested(t *testing.T) {
 	s := newTestSchema(t)
-	outer := faninParent(t, s, "split")
-	fo := faninSplitPayloads(t, s.DB, outer, 2)
-	kids := faninChildren(t, s, fo)
+	outer, fo, kids := faninNewGroup(t, s, 2)
 	// kids[0] is itself a split stage: claimed at "split", it splits into two grandchildren.
 	s.exec(t, `UPDATE workqueue SET stage = 'split' WHERE workqueue_id = $1`, kids[0])
 	faninClaim(t, s, kids)
@@ -1400,10 +1403,9 @@ type faninLoad struct {
 func newFaninLoad(t *testing.T, s *testSchema, groups, perGroup int) *faninLoad {
 	l := &faninLoad{}
 	for g := 0; g < groups; g++ {
-		p := faninParent(t, s, "split")
-		fid := faninSplitPayloads(t, s.DB, p, perGroup)
+		p, _, kids := faninNewGroup(t, s, perGroup)
 		l.parents = append(l.parents, p)
-		l.kids = append(l.kids, faninChildren(t, s, fid)...)
+		l.kids = append(l.kids, kids...)
 	}
 	faninClaim(t, s, l.kids)
 	rand.Shuffle(len(l.kids), func(i, j int) { l.kids[i], l.kids[j] = l.kids[j], l.kids[i] })
@@ -1591,13 +1593,9 @@ func TestFaninConcurrentFlushes(t *testing.T) {
 func TestFaninQuarantine(t *testing.T) {
 	s := newTestSchema(t)
 	// Group A: a done write escaped the trigger, then its inverse did not: done_n would go -1.
-	pa := faninParent(t, s, "split")
-	fa := faninSplitPayloads(t, s.DB, pa, 3)
-	ka := faninChildren(t, s, fa)
+	pa, fa, ka := faninNewGroup(t, s, 3)
 	// Group B: healthy, completes in the same batch.
-	pb := faninParent(t, s, "split")
-	fb := faninSplitPayloads(t, s.DB, pb, 2)
-	kb := faninChildren(t, s, fb)
+	pb, fb, kb := faninNewGroup(t, s, 2)
 	faninClaim(t, s, append(slices.Clone(ka), kb...))
 	faninWriteUnseen(t, s, ka[0], "done")
 	s.exec(t, `UPDATE workqueue SET status = 'pending' WHERE workqueue_id = $1`, ka[0]) // -1
@@ -1715,12 +1713,10 @@ func TestFaninSweepPaging(t *testing.T) {
 	}
 }
 
-// TestFaninChildCursor: the keyset cursor of a range child (§3.3).
+// TestFaninChildCursor: the keyset cursor of a range child (doc/design/fanin.md §3.3).
 func TestFaninChildCursor(t *testing.T) {
 	s := newTestSchema(t)
-	parent := faninParent(t, s, "split")
-	fid := faninSplitRange(t, s.DB, parent, 1, 100, 2, 1) // [1, 51) and [51, 101)
-	kids := faninChildren(t, s, fid)
+	parent, _, kids := faninNewRangeGroup(t, s, 1, 100, 2, 1) // [1, 51) and [51, 101)
 	cursor := func(id int64) sql.NullInt64 {
 		var c sql.NullInt64
 		if err := s.DB.QueryRow(`SELECT fanout_child_cursor($1)`, id).Scan(&c); err != nil {
@@ -1747,9 +1743,7 @@ func TestFaninChildCursor(t *testing.T) {
 		t.Fatalf("cursor of a non-child: %v, want PF002", err)
 	}
 	// The top of int8: the cursor passes the maximum.
-	top := faninParent(t, s, "split")
-	tf := faninSplitRange(t, s.DB, top, math.MaxInt64-5, math.MaxInt64, 1, 1)
-	tk := faninChildren(t, s, tf)
+	_, _, tk := faninNewRangeGroup(t, s, math.MaxInt64-5, math.MaxInt64, 1, 1)
 	faninClaim(t, s, tk)
 	s.exec(t, `SELECT fanout_child_advance($1, 'child', $2)`, tk[0], int64(math.MaxInt64))
 	if c := cursor(tk[0]); c.Valid {
@@ -1763,16 +1757,14 @@ func TestFaninChildCursor(t *testing.T) {
 // through the range, and applying the file once more changes nothing.
 func TestFaninUpgradeIDRange(t *testing.T) {
 	s := newTestSchema(t)
-	ddl, err := os.ReadFile("schema.sql")
+	ddl, err := schemafile.Read("schema.sql")
 	if err != nil {
 		t.Fatal(err)
 	}
 	openParent := faninParent(t, s, "split")
 	open := faninSplitPayloads(t, s.DB, openParent, 3)
 	s.exec(t, `INSERT INTO workqueue (stage, status) VALUES ('zz', 'done')`)
-	firedParent := faninParent(t, s, "split")
-	fired := faninSplitRange(t, s.DB, firedParent, 1, 20, 10, 1)
-	firedKids := faninChildren(t, s, fired)
+	_, fired, firedKids := faninNewRangeGroup(t, s, 1, 20, 10, 1)
 	faninClaim(t, s, firedKids)
 	faninFinish(t, s, firedKids, "done")
 	if r := faninFlushAll(t, s, 10000); r.GroupsFired != 1 {
@@ -1790,7 +1782,7 @@ func TestFaninUpgradeIDRange(t *testing.T) {
 	    WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed')`)
 
 	for pass := 1; pass <= 2; pass++ {
-		if _, err := s.DB.Exec(string(ddl)); err != nil {
+		if _, err := s.DB.Exec(ddl); err != nil {
 			t.Fatalf("apply schema.sql over the earlier version (pass %d): %v", pass, err)
 		}
 		faninCheckIDRange(t, s, open, kids)
@@ -1816,4 +1808,87 @@ func TestFaninUpgradeIDRange(t *testing.T) {
 		t.Fatalf("group %s %d/%d after the sweep, want fired 3/0", state, done, failed)
 	}
 	checkFaninInvariants(t, s)
+}
+
+// faninSchemaObjects lists what the schema schema holds: its tables, indexes, functions and
+// triggers with their definitions, one string each, sorted.
+func faninSchemaObjects(t *testing.T, s *testSchema, schema string) []string {
+	t.Helper()
+	rows, err := s.DB.Query(`
+	    SELECT 'table ' || c.relname || ' ' || c.relkind::text || ' ' ||
+	           (SELECT string_agg(a.attname || ':' || format_type(a.atttypid, a.atttypmod), ',' ORDER BY a.attnum)
+	              FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)
+	      FROM pg_class c WHERE c.relnamespace = $1::text::regnamespace AND c.relkind IN ('r', 'S')
+	    UNION ALL
+	    SELECT 'index ' || replace(indexdef, $1::text || '.', '') FROM pg_indexes WHERE schemaname = $1::text
+	    UNION ALL
+	    SELECT 'function ' || p.proname || ' ' || md5(replace(p.prosrc, $1::text, '')) || ' ' ||
+	           coalesce(array_to_string(p.proconfig, ','), '')
+	      FROM pg_proc p WHERE p.pronamespace = $1::text::regnamespace
+	    UNION ALL
+	    SELECT 'trigger ' || tg.tgname || ' ' || tg.tgenabled::text || ' ' ||
+	           replace(pg_get_triggerdef(tg.oid), $1::text || '.', '')
+	      FROM pg_trigger tg JOIN pg_class c ON c.oid = tg.tgrelid
+	     WHERE c.relnamespace = $1::text::regnamespace AND NOT tg.tgisinternal
+	    ORDER BY 1`, schema)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var objs []string
+	for rows.Next() {
+		var o string
+		if err := rows.Scan(&o); err != nil {
+			t.Fatal(err)
+		}
+		objs = append(objs, strings.ReplaceAll(o, schema, "SCHEMA"))
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return objs
+}
+
+// TestFaninSchemaInstalledPsql: the schema as the contract applies it, `psql -v
+// ON_ERROR_STOP=1 -f schema.sql` on the files `make install` puts in SHAREDIR, works (every
+// file schema.sql includes is installed beside it), works again on its own result
+// (idempotent), and makes the same objects as the tests' way of applying it
+// (internal/schemafile through database/sql), so the tests exercise what users install.
+func TestFaninSchemaInstalledPsql(t *testing.T) {
+	psql, err := exec.LookPath("psql")
+	if err != nil {
+		if m, _ := filepath.Glob("/usr/lib/postgresql/*/bin/psql"); len(m) > 0 {
+			psql, err = m[len(m)-1], nil
+		}
+	}
+	if err != nil {
+		t.Skip("psql not installed")
+	}
+	if _, err := exec.LookPath("make"); err != nil {
+		t.Skip("make not installed")
+	}
+	share := t.TempDir()
+	if out, err := exec.Command("make", "-s", "-f", "dist/install.mk", "install-share", "SHAREDIR="+share).CombinedOutput(); err != nil {
+		t.Fatalf("make install-share: %v\n%s", err, out)
+	}
+	ref := newTestSchema(t) // applied with internal/schemafile
+	name := ref.Name + "_psql"
+	ref.exec(t, "CREATE SCHEMA "+name)
+	t.Cleanup(func() { ref.DB.Exec("DROP SCHEMA " + name + " CASCADE") })
+	for pass := 1; pass <= 2; pass++ {
+		cmd := exec.Command(psql, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-f", filepath.Join(share, "schema.sql"), baseDSN(t))
+		cmd.Dir = t.TempDir() // \ir must resolve beside schema.sql, not in the working directory
+		cmd.Env = append(os.Environ(), "PGOPTIONS=-c search_path="+name)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("psql -f schema.sql (pass %d): %v\n%s", pass, err, out)
+		}
+	}
+	got, want := faninSchemaObjects(t, ref, name), faninSchemaObjects(t, ref, ref.Name)
+	if len(want) < 20 || !slices.ContainsFunc(want, func(o string) bool { return strings.HasPrefix(o, "function fanin_flush ") }) {
+		t.Fatalf("the reference schema lacks fan-in: %v", want)
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("psql's schema differs from internal/schemafile's:\npsql:\n  %s\nschemafile:\n  %s",
+			strings.Join(got, "\n  "), strings.Join(want, "\n  "))
+	}
 }

@@ -2,7 +2,7 @@
 //
 // The file and the config table are read again; if the stages changed, a new generation of
 // pools replaces the old, and the old generation's workers are retired. A reload that does
-// not validate ends the run with exit status 1 (dispatch.md), not start-up's 2.
+// not validate ends the run with exit status 1 (doc/design/dispatch.md §7), not start-up's 2.
 
 package main
 
@@ -27,8 +27,9 @@ func (c *coordinator) setStages(stages map[string]*StageConfig) {
 	}
 }
 
-// reloadError is a reload that failed. It is fatal with exit status 1 (dispatch.md), not
-// start-up's configuration status 2, although it wraps the configError that says what is
+// reloadError is a reload that failed. It is fatal with exit status 1
+// (doc/design/dispatch.md §7), not start-up's configuration status 2, although it wraps the
+// configError that says what is
 // wrong: run's exit-status mapping tests for this type before configError.
 type reloadError struct{ err error }
 

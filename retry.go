@@ -3,7 +3,7 @@
 // Every write here is guarded by the claim the dispatcher handed out: status = 'running',
 // the same stage and the same claim token. A stage may commit its advance and then crash, and
 // the row may already be claimed again for the next stage before the crash is read; the guard
-// makes the stale write a no-op instead of an overwrite (dispatch.md, Part 2).
+// makes the stale write a no-op instead of an overwrite (doc/design/dispatch.md §1).
 //
 // Writes are queued in memory and sent in one statement per kind when the coordinator settles.
 // If the database refuses them (down, restarting), they stay queued and are sent again after a

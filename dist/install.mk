@@ -8,7 +8,8 @@
 # `make build` first, as yourself, then `make install` as root):
 #     $(BINDIR)/pepsi-dispatch                          the static daemon
 #     $(MANDIR)/man1/pepsi-dispatch.1, man5/pepsi.conf.5, man7/pepsi-worker.7
-#     $(SHAREDIR)/pepsi.conf.example, schema.sql, examples/shell-stage
+#     $(SHAREDIR)/pepsi.conf.example, schema.sql and the files it includes
+#                                                       (PEPSI_SQL), examples/shell-stage
 #     $(DOCDIR)/README.md, scale-out.md
 #     $(DESTDIR)$(UNITDIR)/pepsi-dispatch.service      ExecStart rewritten to $(BINDIR)
 #     $(DESTDIR)$(SYSUSERSDIR)/pepsi.conf               the pepsi account (sysusers.d)
@@ -38,6 +39,10 @@ PEPSI_RUN_BINDIR = $(patsubst $(DESTDIR)%,%,$(BINDIR))
 
 PEPSI_MANS = doc/pepsi-dispatch.1 doc/pepsi.conf.5 doc/pepsi-worker.7
 
+# schema.sql and every file it includes with \ir: psql looks for those beside schema.sql, so
+# they are installed in the same directory. A file added to schema.sql's includes goes here.
+PEPSI_SQL = schema.sql fanin.sql
+
 .PHONY: install uninstall install-bin install-man install-share install-doc install-systemd
 
 install: install-bin install-man install-share install-doc install-systemd  ## install (PREFIX, DESTDIR); run `make build` first
@@ -64,7 +69,7 @@ install-man:
 install-share:
 	$(INSTALL) -d $(SHAREDIR) $(SHAREDIR)/examples
 	$(INSTALL) -m 0644 $(PEPSI_TOP)/dist/pepsi.conf.example $(SHAREDIR)/pepsi.conf.example
-	$(INSTALL) -m 0644 $(PEPSI_TOP)/schema.sql $(SHAREDIR)/schema.sql
+	$(INSTALL) -m 0644 $(addprefix $(PEPSI_TOP)/,$(PEPSI_SQL)) $(SHAREDIR)/
 	$(INSTALL) -m 0755 $(PEPSI_TOP)/doc/examples/shell-stage $(SHAREDIR)/examples/shell-stage
 
 install-doc:
@@ -83,7 +88,7 @@ uninstall:  ## remove what install installed (not /etc/pepsi, not the pepsi acco
 	rm -f $(MANDIR)/man1/pepsi-dispatch.1 $(MANDIR)/man1/pepsi-dispatch.1.gz
 	rm -f $(MANDIR)/man5/pepsi.conf.5 $(MANDIR)/man5/pepsi.conf.5.gz
 	rm -f $(MANDIR)/man7/pepsi-worker.7 $(MANDIR)/man7/pepsi-worker.7.gz
-	rm -f $(SHAREDIR)/pepsi.conf.example $(SHAREDIR)/schema.sql $(SHAREDIR)/examples/shell-stage
+	rm -f $(SHAREDIR)/pepsi.conf.example $(addprefix $(SHAREDIR)/,$(PEPSI_SQL)) $(SHAREDIR)/examples/shell-stage
 	rmdir $(SHAREDIR)/examples $(SHAREDIR) 2>/dev/null || true
 	rm -f $(DOCDIR)/README.md $(DOCDIR)/scale-out.md
 	rmdir $(DOCDIR) 2>/dev/null || true

@@ -20,6 +20,8 @@ import (
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivermigrate"
+
+	"pepsi-dispatch/internal/schemafile"
 )
 
 const (
@@ -67,11 +69,11 @@ func (b *bench) setupSystem(ctx context.Context, s *system) error {
 	}
 	switch s.kind {
 	case kindPepsi, kindRaw:
-		schema, err := os.ReadFile(filepath.Join(b.root, "schema.sql"))
+		schema, err := schemafile.Read(filepath.Join(b.root, "schema.sql")) // with its \ir includes
 		if err != nil {
 			return err
 		}
-		if err := execScript(ctx, s.pool, string(schema)); err != nil {
+		if err := execScript(ctx, s.pool, schema); err != nil {
 			return fmt.Errorf("apply schema.sql to %s: %w", s.dbname, err)
 		}
 	case kindRiver:

@@ -19,6 +19,8 @@ import (
 	"time"
 
 	_ "github.com/lib/pq" // the driver the schemas are opened with
+
+	"pepsi-dispatch/internal/schemafile"
 )
 
 // Cluster is a test run's PostgreSQL: PEPSI_TEST_DSN when set, else a private cluster started
@@ -124,11 +126,11 @@ func (c *Cluster) Schema(t testing.TB, prefix string) (name, dsn string, db *sql
 		t.Fatalf("open %s: %v", dsn, err)
 	}
 	t.Cleanup(func() { db.Close() })
-	ddl, err := os.ReadFile(filepath.Join(c.root, "schema.sql"))
+	ddl, err := schemafile.Read(filepath.Join(c.root, "schema.sql")) // with its \ir includes
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := db.Exec(string(ddl)); err != nil {
+	if _, err := db.Exec(ddl); err != nil {
 		t.Fatalf("apply schema.sql in %s: %v", name, err)
 	}
 	return name, dsn, db

@@ -1,4 +1,4 @@
-// Command faninbench measures fan-out / fan-in (issue 6, fanin.md §4) in one run, through the
+// Command faninbench measures fan-out / fan-in (issue 6, doc/design/fanin.md §4) in one run, through the
 // real daemon and a real stage program on a private PostgreSQL:
 //
 //	go run ./tools/faninbench
@@ -62,6 +62,8 @@ import (
 	"time"
 
 	"github.com/lib/pq"
+
+	"pepsi-dispatch/internal/schemafile"
 )
 
 var (
@@ -320,11 +322,11 @@ func (b *bench) applySchema(ctx context.Context, schema string) (*sql.DB, error)
 	if err != nil {
 		return nil, err
 	}
-	ddl, err := os.ReadFile(filepath.Join(b.root, "schema.sql"))
+	ddl, err := schemafile.Read(filepath.Join(b.root, "schema.sql")) // with its \ir includes
 	if err != nil {
 		return nil, err
 	}
-	if _, err := db.ExecContext(ctx, string(ddl)); err != nil {
+	if _, err := db.ExecContext(ctx, ddl); err != nil {
 		return nil, fmt.Errorf("apply schema.sql in %s: %w", schema, err)
 	}
 	return db, nil
