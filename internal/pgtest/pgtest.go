@@ -5,6 +5,7 @@
 package pgtest
 
 import (
+	"errors"
 	"database/sql"
 	"fmt"
 	"math/rand/v2"
@@ -61,6 +62,10 @@ func (c *Cluster) DSN(t testing.TB) string {
 		c.dir = dir
 		out, err := exec.Command(filepath.Join(c.root, "scripts/pg-private"), "start", dir).Output()
 		if err != nil {
+			var ee *exec.ExitError
+			if errors.As(err, &ee) { // what pg-private said, or the failure says nothing
+				err = fmt.Errorf("%w: %s", err, strings.TrimSpace(string(ee.Stderr)))
+			}
 			c.err = fmt.Errorf("start private PostgreSQL in %s: %w", dir, err)
 			return
 		}
