@@ -5,8 +5,8 @@
 package pgtest
 
 import (
-	"errors"
 	"database/sql"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
