@@ -12,12 +12,17 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
+	"net"
+	"net/netip"
 	"os"
 	"regexp"
 	"slices"
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 )
 
 // Defaults of the [pepsi-dispatch] and [stage-*] keys (doc/design/dispatch.md, doc/design/fanin.md §3.11).
@@ -127,7 +132,32 @@ func (e *configError) Error() string {
 	if e.Key == "" {
 		return fmt.Sprintf("%s: %s", e.Where, e.Msg)
 	}
-	return fmt.Sprintf("%s: %s: %s", e.Where, e.Key, e.Msg)
+	return fmt.Sprintf("%s: %s: %s", e.Where, visible(e.Key), e.Msg)
+}
+
+// visible returns s as it is when it is short, printable text, and otherwise quoted with Go
+// escapes and cut to a few dozen bytes: the "key" of a binary file given by mistake must not
+// send control characters, or 64 KiB of them, to the operator's terminal.
+func visible(s string) string {
+	const most = 60
+	printable := utf8.ValidString(s) && strings.IndexFunc(s, func(r rune) bool { return !strconv.IsPrint(r) }) < 0
+	if printable && len(s) <= most {
+		return s
+	}
+	return quoteShort(s)
+}
+
+// quoteShort is %q of at most the first 60 bytes of s (cut on a rune), with "…" when cut.
+func quoteShort(s string) string {
+	const most = 60
+	if len(s) <= most {
+		return strconv.Quote(s)
+	}
+	cut := most
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return strconv.Quote(s[:cut]) + "…"
 }
 
 // iniEntry is one KEY = value line of a section.
@@ -138,7 +168,8 @@ type iniEntry struct {
 	Where   string // FILE:LINE
 }
 
-// iniMaxLine bounds one line, so a binary file given by mistake fails fast and clearly.
+// iniMaxLine bounds one line (its terminator aside), so a binary file given by mistake fails
+// fast and clearly; pepsi.conf(5) promises lines "up to 64 KiB".
 const iniMaxLine = 64 << 10
 
 // parseINI reads the INI dialect of pepsi.conf: [section] headers, KEY = value lines,
@@ -150,22 +181,32 @@ const iniMaxLine = 64 << 10
 func parseINI(name string, r io.Reader) ([]iniEntry, error) {
 	var out []iniEntry
 	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 4096), iniMaxLine)
+	// The buffer must hold the longest allowed line with its "\r\n": the scanner gives up
+	// when a line and its terminator do not fit, and drops the terminator from the token.
+	sc.Buffer(make([]byte, 4096), iniMaxLine+2)
 	section := ""
 	seen := map[string]string{} // section + "\x00" + key -> where
-	for n := 1; sc.Scan(); n++ {
+	// n is the line being read; after the loop, the line that stopped it.
+	n := 1
+	for ; sc.Scan(); n++ {
 		where := fmt.Sprintf("%s:%d", name, n)
+		if len(sc.Bytes()) > iniMaxLine {
+			return nil, tooLong(where)
+		}
 		line := strings.TrimSpace(sc.Text())
 		switch {
 		case line == "" || line[0] == '#' || line[0] == ';':
 			continue
 		case line[0] == '[':
 			if !strings.HasSuffix(line, "]") {
-				return nil, &configError{where, "", fmt.Sprintf("section header %q lacks its closing ']'", line)}
+				return nil, &configError{where, "", fmt.Sprintf("section header %s lacks its closing ']'", quoteShort(line))}
 			}
 			section = strings.TrimSpace(line[1 : len(line)-1])
 			if section == "" {
 				return nil, &configError{where, "", "empty section name"}
+			}
+			if ours(section) && !validText(section) {
+				return nil, &configError{where, "", fmt.Sprintf("section name %s contains a control character", quoteShort(section))}
 			}
 			out = append(out, iniEntry{Section: section, Where: where})
 			continue
@@ -173,7 +214,7 @@ func parseINI(name string, r io.Reader) ([]iniEntry, error) {
 		key, value, ok := strings.Cut(line, "=")
 		if !ok {
 			if ours(section) {
-				return nil, &configError{where, "", fmt.Sprintf("expected KEY = value, got %q", line)}
+				return nil, &configError{where, "", fmt.Sprintf("expected KEY = value, got %s", quoteShort(line))}
 			}
 			continue
 		}
@@ -187,6 +228,11 @@ func parseINI(name string, r io.Reader) ([]iniEntry, error) {
 		if !validKey(key) {
 			return nil, &configError{where, key, "keys are upper-case letters, digits and '_'"}
 		}
+		if i := strings.IndexFunc(value, isControl); i >= 0 {
+			// A NUL cannot even be passed to a worker (environment, argv); the others are a
+			// binary file or an editor accident. The value is not echoed: it may be a password.
+			return nil, &configError{where, key, fmt.Sprintf("the value contains the control character %U at byte %d; values are text", value[i], i+1)}
+		}
 		id := section + "\x00" + key
 		if first, dup := seen[id]; dup {
 			return nil, &configError{where, key, fmt.Sprintf("set twice in [%s] (first at %s)", section, first)}
@@ -196,12 +242,26 @@ func parseINI(name string, r io.Reader) ([]iniEntry, error) {
 	}
 	if err := sc.Err(); err != nil {
 		if errors.Is(err, bufio.ErrTooLong) {
-			return nil, &configError{name, "", fmt.Sprintf("a line is longer than %d bytes", iniMaxLine)}
+			return nil, tooLong(fmt.Sprintf("%s:%d", name, n))
 		}
-		return nil, fmt.Errorf("read %s: %w", name, err)
+		var pe *fs.PathError
+		if errors.As(err, &pe) {
+			return nil, &configError{name, "", fmt.Sprintf("cannot read: %v", pe.Err)} // pe names the file again
+		}
+		return nil, &configError{name, "", fmt.Sprintf("cannot read: %v", err)}
 	}
 	return out, nil
 }
+
+func tooLong(where string) error {
+	return &configError{where, "", fmt.Sprintf("line longer than %d bytes (64 KiB), the most a line may be", iniMaxLine)}
+}
+
+// isControl reports a control character other than TAB (which trimming and NEXT's field
+// splitting treat as a space).
+func isControl(r rune) bool { return r != '\t' && unicode.IsControl(r) }
+
+func validText(s string) bool { return strings.IndexFunc(s, isControl) < 0 }
 
 // ours reports whether a section belongs to pepsi-dispatch (its keys are checked).
 func ours(section string) bool {
@@ -234,6 +294,9 @@ func loadConfig(path string) (*Config, error) {
 		return nil, &configError{path, "", fmt.Sprintf("cannot open: %v", errors.Unwrap(err))}
 	}
 	defer f.Close()
+	if st, err := f.Stat(); err == nil && st.IsDir() {
+		return nil, &configError{path, "", "is a directory; -c names the configuration file"}
+	}
 	entries, err := parseINI(path, f)
 	if err != nil {
 		return nil, err
@@ -268,7 +331,12 @@ func loadConfig(path string) (*Config, error) {
 			if e.Key != "DSN" {
 				return nil, &configError{e.Where, e.Key, "unknown key in [database] (known: DSN)"}
 			}
-			cfg.DSN = e.Value
+			if e.Value != "" {
+				if err := checkDSN(e.Value); err != nil {
+					return nil, &configError{e.Where, e.Key, err.Error()}
+				}
+			}
+			cfg.DSN = withSSLModeDefault(e.Value)
 		case e.Section == "pepsi-dispatch":
 			if err := cfg.Dispatch.set(e); err != nil {
 				return nil, err
@@ -277,8 +345,8 @@ func loadConfig(path string) (*Config, error) {
 			if e.Key != "LISTEN" {
 				return nil, &configError{e.Where, e.Key, "unknown key in [poolcounter] (known: LISTEN)"}
 			}
-			if _, _, ok := strings.Cut(e.Value, ":"); !ok {
-				return nil, &configError{e.Where, e.Key, fmt.Sprintf("want host:port, got %q", e.Value)}
+			if err := checkListen(e.Value); err != nil {
+				return nil, &configError{e.Where, e.Key, err.Error()}
 			}
 			cfg.PoolCounter.Listen = e.Value
 		default:
@@ -332,9 +400,7 @@ func (d *DispatchConfig) set(e iniEntry) error {
 	case "SWEEP_MIN_AGE":
 		d.SweepMinAge, err = parseDuration(e.Value)
 	case "METRICS_LISTEN":
-		if _, _, ok := strings.Cut(e.Value, ":"); !ok {
-			err = fmt.Errorf("want host:port, got %q", e.Value)
-		}
+		err = checkListen(e.Value)
 		d.MetricsListen = e.Value
 	default:
 		err = errors.New("unknown key in [pepsi-dispatch]")
@@ -343,6 +409,63 @@ func (d *DispatchConfig) set(e iniEntry) error {
 		return &configError{e.Where, e.Key, err.Error()}
 	}
 	return nil
+}
+
+// checkListen validates a host:port to listen on as net.Listen("tcp", v) will read it, so
+// that a mistake is an exit 2 with FILE:LINE at load time, not a failure to bind later. The
+// port is a number (0 lets the kernel choose); the host is empty (every address), an IP
+// address, or a syntactically valid host name (it is not resolved here).
+func checkListen(v string) error {
+	bad := func(why string) error {
+		hint := ""
+		if strings.ContainsAny(v, "#;") {
+			hint = " (there are no inline comments: a '#' or ';' after the value is part of it)"
+		}
+		return fmt.Errorf("want host:port such as 127.0.0.1:7531, :7531 or [::1]:7531, got %s: %s%s", quoteShort(v), why, hint)
+	}
+	host, port, err := net.SplitHostPort(v)
+	if err != nil {
+		var ae *net.AddrError
+		if errors.As(err, &ae) {
+			return bad(ae.Err) // ae.Error() repeats the address
+		}
+		return bad(err.Error())
+	}
+	if _, err := strconv.ParseUint(port, 10, 16); err != nil {
+		return bad(fmt.Sprintf("port %s is not a number from 0 to 65535", quoteShort(port)))
+	}
+	if host == "" {
+		return nil
+	}
+	if _, err := netip.ParseAddr(host); err == nil {
+		return nil
+	}
+	if strings.Trim(host, "0123456789.") == "" {
+		return bad(fmt.Sprintf("host %s is not an IPv4 address", quoteShort(host)))
+	}
+	if !validHostname(host) {
+		return bad(fmt.Sprintf("host %s is neither an IP address nor a host name", quoteShort(host)))
+	}
+	return nil
+}
+
+// validHostname: dot-separated labels of letters, digits and '-' (RFC 1123), 253 bytes at most.
+func validHostname(h string) bool {
+	h = strings.TrimSuffix(h, ".")
+	if h == "" || len(h) > 253 {
+		return false
+	}
+	for _, label := range strings.Split(h, ".") {
+		if label == "" || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
+			return false
+		}
+		for _, c := range label {
+			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-') {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // overlayRow is one row of the `config` table.

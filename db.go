@@ -14,9 +14,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"math/rand/v2"
 	"net"
 	"net/url"
+	"os"
 	"strings"
 	"syscall"
 	"time"
@@ -53,6 +55,62 @@ func dsnWith(dsn, key, value string) string {
 	return fmt.Sprintf("%s %s='%s'", dsn, key, quoted)
 }
 
+// checkDSN parses dsn with the driver's own parser (lib/pq's, which every connection of the
+// dispatcher will use, and the key=value syntax of libpq), so that a mistake in it is the
+// operator's configuration error at load time, reported against the DSN as written, and not
+// a connect-time failure blamed on the application_name the daemon appends, or a wait for a
+// database that no retry can reach. The message never quotes the DSN: it may hold a password.
+func checkDSN(dsn string) error {
+	_, err := pq.NewConnector(dsn)
+	if err == nil {
+		return nil
+	}
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		// url.Error's text repeats the whole URL, password and all: keep only the reason.
+		err = fmt.Errorf("not a valid postgres:// URL: %w", ue.Err)
+	}
+	msg := strings.TrimPrefix(err.Error(), "pq: ")
+	if strings.Contains(msg, "$PG") {
+		msg += " (in the daemon's environment, which lib/pq reads as libpq does)"
+	}
+	return errors.New(redact(msg, dsnSecrets(dsn)))
+}
+
+// withSSLModeDefault returns dsn with sslmode=prefer added when neither the DSN nor the
+// environment chooses an sslmode, so that the dispatcher (lib/pq, whose own default is
+// "require") connects as libpq does with the same DSN: TLS when the server offers it, plain
+// otherwise. The workers get the same DSN, so a libpq stage (psql, psycopg) and a Go stage
+// agree too. (lib/pq accepts "prefer" since v1.12.0; pepsi.conf(5) says so.) sslrootcert=system
+// and sslnegotiation=direct imply stronger modes, so they are left to choose.
+func withSSLModeDefault(dsn string) string {
+	if dsn == "" {
+		return dsn
+	}
+	cfg, err := pq.NewConfig(dsn)
+	if err != nil || cfg.SSLMode != "" || cfg.SSLRootCert == "system" || cfg.SSLNegotiation != "" {
+		return dsn // an error was reported by checkDSN; a Unix socket has SSLMode "disable"
+	}
+	return dsnWith(dsn, "sslmode", "prefer")
+}
+
+// connectError explains a connection failure that no retry can cure because it is about a
+// local file, typically a client certificate, key or password file the account cannot read
+// after the privilege drop: the operator must fix the file or the DSN.
+func connectError(err error) error {
+	var pe *fs.PathError
+	if !errors.As(err, &pe) {
+		return err
+	}
+	who := fmt.Sprintf("uid %d", os.Getuid())
+	if name := os.Getenv("USER"); name != "" {
+		who = fmt.Sprintf("%s (%s)", name, who)
+	}
+	return fmt.Errorf("connect to the database: %w; the driver reads %s as %s (HOME=%s): "+
+		"make it readable by that account, or name other files with the DSN's sslcert, sslkey, "+
+		"sslrootcert or passfile", err, pe.Path, who, os.Getenv("HOME"))
+}
+
 // isTransient reports whether err is a serialization failure or a deadlock: the statement
 // did nothing and may simply be run again.
 func isTransient(err error) bool {
@@ -77,6 +135,12 @@ func isConnLost(err error) bool {
 		case pe.Code == "57P01", pe.Code == "57P02", pe.Code == "57P03": // shutdown, crash, starting
 			return true
 		}
+		return false
+	}
+	// A file the driver could not read (certificate, key, passfile) is not a lost connection,
+	// however it failed: a syscall.Errno inside it would pass for a net.Error below.
+	var fe *fs.PathError
+	if errors.As(err, &fe) {
 		return false
 	}
 	var ne net.Error

@@ -66,10 +66,10 @@ func TestConfigErrors(t *testing.T) {
 		{"bad duration", "[pepsi-dispatch]\nMAX_RUNTIME = soon\n", "c.conf:2: MAX_RUNTIME: want a duration"},
 		{"negative duration", "[pepsi-dispatch]\nPOLL_INTERVAL = -1\n", "c.conf:2: POLL_INTERVAL: want a duration"},
 		{"zero duration", "[pepsi-dispatch]\nMAX_RUNTIME = 0\n", "c.conf:2: MAX_RUNTIME: must be greater than zero"},
-		{"bad number", "[database]\nDSN=x\n[stage-a]\nPROGRAM = p\nPARALLELISM = many\n", "c.conf:5: PARALLELISM: want a whole number"},
-		{"queue limit too big", "[database]\nDSN=x\n[stage-a]\nPROGRAM = p\nQUEUE_LIMIT = 100000\n", "c.conf:5: QUEUE_LIMIT: want a whole number from 1 to 1000"},
-		{"no program", "[database]\nDSN=x\n[stage-a]\nNEXT =\n", "c.conf:3: PROGRAM: [stage-a] has no PROGRAM"},
-		{"next undefined", "[database]\nDSN=x\n[stage-a]\nPROGRAM = p\nNEXT = b\n", "c.conf:5: NEXT: names stage \"b\", which is not defined"},
+		{"bad number", "[database]\nDSN=dbname=x\n[stage-a]\nPROGRAM = p\nPARALLELISM = many\n", "c.conf:5: PARALLELISM: want a whole number"},
+		{"queue limit too big", "[database]\nDSN=dbname=x\n[stage-a]\nPROGRAM = p\nQUEUE_LIMIT = 100000\n", "c.conf:5: QUEUE_LIMIT: want a whole number from 1 to 1000"},
+		{"no program", "[database]\nDSN=dbname=x\n[stage-a]\nNEXT =\n", "c.conf:3: PROGRAM: [stage-a] has no PROGRAM"},
+		{"next undefined", "[database]\nDSN=dbname=x\n[stage-a]\nPROGRAM = p\nNEXT = b\n", "c.conf:5: NEXT: names stage \"b\", which is not defined"},
 		{"bad section name", "[stage-Big]\nPROGRAM = p\n", "c.conf:1: [stage-Big]: stage names are [a-z0-9_-]+"},
 		{"empty stage name", "[stage-]\nPROGRAM = p\n", "c.conf:1: [stage-]: stage names are"},
 		{"lower-case key", "[pepsi-dispatch]\nmax_runtime = 3\n", "c.conf:2: max_runtime: keys are upper-case"},
@@ -79,7 +79,7 @@ func TestConfigErrors(t *testing.T) {
 		{"no equals", "[database]\nDSN\n", "c.conf:2: expected KEY = value"},
 		{"stages without DSN", "[stage-a]\nPROGRAM = p\n", "DSN: [database] DSN is required"},
 		{"unknown database key", "[database]\nHOST = x\n", "c.conf:2: HOST: unknown key in [database]"},
-		{"bad fuse", "[database]\nDSN=x\n[stage-a]\nPROGRAM = p\nFUSE = maybe\n", "c.conf:5: FUSE: want yes or no"},
+		{"bad fuse", "[database]\nDSN=dbname=x\n[stage-a]\nPROGRAM = p\nFUSE = maybe\n", "c.conf:5: FUSE: want yes or no"},
 		{"poolcounter listen", "[poolcounter]\nLISTEN = 7531\n", "c.conf:2: LISTEN: want host:port"},
 	}
 	for _, tc := range cases {
@@ -116,14 +116,14 @@ func TestConfigDurations(t *testing.T) {
 
 func TestConfigOverlay(t *testing.T) {
 	dir := testDir(t)
-	p := writeFile(t, dir, "c.conf", "[database]\nDSN=x\n[stage-a]\nPROGRAM = p\nNEXT = b\n")
+	p := writeFile(t, dir, "c.conf", "[database]\nDSN=dbname=x\n[stage-a]\nPROGRAM = p\nNEXT = b\n")
 	cfg, err := loadConfig(p)
 	if err == nil {
 		t.Fatalf("graph with undefined NEXT accepted from the file alone: %+v", cfg)
 	}
 	// The file alone names b, defined only by the overlay: loading the file reports it, and
 	// the overlay completes the graph.
-	p = writeFile(t, dir, "c.conf", "[database]\nDSN=x\n[stage-a]\nPROGRAM = p\n")
+	p = writeFile(t, dir, "c.conf", "[database]\nDSN=dbname=x\n[stage-a]\nPROGRAM = p\n")
 	cfg, err = loadConfig(p)
 	if err != nil {
 		t.Fatal(err)

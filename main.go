@@ -57,6 +57,8 @@ const usage = "usage: pepsi-dispatch [-c FILE] [-L error|warn|info|debug] [-v] s
 // run is the whole program; it returns the exit status: 0 after a clean shutdown, 2 for a
 // usage or configuration mistake, 1 for anything else.
 func run(ctx context.Context, args []string, stderr io.Writer) int {
+	red := newRedactor(stderr) // no password reaches the log, whatever carries it (secret.go)
+	stderr = red
 	fs := flag.NewFlagSet("pepsi-dispatch", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	confPath := fs.String("c", configFileDefault, "configuration `file`")
@@ -90,6 +92,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "pepsi-dispatch: %v\n", err)
 		return 2
 	}
+	red.add(dsnSecrets(cfg.DSN)...)
 	err = serve(ctx, cfg, log)
 	var ce *configError
 	var re *reloadError
@@ -100,8 +103,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 		log.Error("fatal", "err", err) // a reload's mistake ends a running dispatcher: 1
 		return 1
 	case errors.As(err, &ce):
-		fmt.Fprintf(stderr, "pepsi-dispatch: %v\n", err)
-		log.Error("configuration error", "err", err)
+		fmt.Fprintf(stderr, "pepsi-dispatch: %v\n", err) // once, as load-time mistakes are
 		return 2
 	default:
 		log.Error("fatal", "err", err)
@@ -301,7 +303,7 @@ func connect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.
 			return inst, db, nil
 		}
 		if !isConnLost(err) {
-			return nil, nil, err
+			return nil, nil, connectError(err)
 		}
 		d := b.next()
 		if attempt == 1 || attempt%10 == 0 {
@@ -378,6 +380,13 @@ func dropPrivileges(cfg *Config, log *slog.Logger) error {
 	if err := syscall.Setuid(uid); err != nil {
 		return fmt.Errorf("drop privileges to %s: setuid %d: %w", name, uid, err)
 	}
-	log.Info("dropped privileges", "user", name, "uid", uid, "gid", gid)
+	// As runuser(1) does: libpq and lib/pq look in $HOME for certificates and .pgpass, and
+	// root's HOME is unreadable now (for the workers, who inherit it, too).
+	for k, v := range map[string]string{"HOME": u.HomeDir, "USER": u.Username, "LOGNAME": u.Username} {
+		if err := os.Setenv(k, v); err != nil {
+			return fmt.Errorf("drop privileges to %s: set %s: %w", name, k, err)
+		}
+	}
+	log.Info("dropped privileges", "user", name, "uid", uid, "gid", gid, "home", u.HomeDir)
 	return nil
 }
