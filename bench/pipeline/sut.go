@@ -1,6 +1,7 @@
 // sut.go: the systems under test that run in a process of their own, started by the benchmark
 // as `pipeline sut KIND -dsn DSN -stages N [-stamp FILE]`: River (tuned as River's benchmark,
-// or with River's defaults) and the raw loop. A process of their own, like pepsi-dispatch, so
+// or with River's defaults), the raw loop and PgQ's consumer (pgq.go). (Graphile Worker runs
+// in Node: graphile/run.mjs.) A process of their own, like pepsi-dispatch, so
 // that the CPU and peak memory of each system are measured the same way, from /proc, and the
 // benchmark's producer and observer are never counted as the system's work.
 //
@@ -117,7 +118,7 @@ func (w *riverWorker) Work(ctx context.Context, job *river.Job[benchArgs]) error
 // sutMain is `pipeline sut KIND ...`; it returns the exit status.
 func sutMain(args []string) int {
 	if len(args) < 1 {
-		fmt.Fprintln(os.Stderr, "usage: pipeline sut river|river-default|raw -dsn DSN -stages N [-stamp FILE]")
+		fmt.Fprintln(os.Stderr, "usage: pipeline sut river|river-default|raw|pgq -dsn DSN -stages N [-stamp FILE]")
 		return 2
 	}
 	kind := args[0]
@@ -139,6 +140,8 @@ func sutMain(args []string) int {
 		err = runRiver(ctx, *dsn, kind == "river", st)
 	case "raw":
 		err = runRaw(ctx, *dsn, *stages, *rawWorkers, *rawBatch, st)
+	case "pgq":
+		err = runPgq(ctx, *dsn, st)
 	default:
 		err = fmt.Errorf("unknown system %q", kind)
 	}

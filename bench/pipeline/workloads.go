@@ -95,21 +95,33 @@ func fill(m *measurement, s0, s1 snapshot) {
 	}
 }
 
-// order rotates the systems from run to run, so that no system always runs first (on a
-// fresher cluster) or last.
+// order rotates the systems that run workload wl from run to run, so that no system always
+// runs first (on a fresher cluster) or last.
 //
-// River with its defaults runs in the first run only: its rate is set by its fetch cooldown
-// (100 ms for up to 100 workers, about 1,000 jobs/s), not by the machine's noise, and its slow
-// runs would otherwise take a third of the time budget.
-func (b *bench) order(run int) []*system {
+// The systems with their defaults run in the first run only: River's rate is set by its fetch
+// cooldown (100 ms for up to 100 workers, about 1,000 jobs/s), Graphile Worker's by its one
+// job at a time, not by the machine's noise, and their slow runs would otherwise take a good
+// share of the time budget.
+func (b *bench) order(wl string, run int) []*system {
 	n := len(b.systems)
 	var out []*system
 	for i := 0; i < n; i++ {
 		s := b.systems[(i+run-1)%n]
-		if s.name == "river-default" && run > 1 {
+		if s.once && run > 1 || !s.runs(wl) {
 			continue
 		}
 		out = append(out, s)
+	}
+	return out
+}
+
+// systemsFor are the systems that run workload wl, in their order.
+func (b *bench) systemsFor(wl string) []*system {
+	var out []*system
+	for _, s := range b.systems {
+		if s.runs(wl) {
+			out = append(out, s)
+		}
 	}
 	return out
 }
@@ -118,9 +130,9 @@ func (b *bench) order(run int) []*system {
 // first runs it once unmeasured: the first run of the benchmark otherwise pays for cold caches
 // (binaries, the new databases' catalogs; 20-35 % slower for pepsi and River in one full run).
 func (b *bench) w1(ctx context.Context) error {
-	for _, s := range b.order(1) {
-		if s.name == "river-default" {
-			continue // 100 s at its fixed rate, which a warm cache does not change
+	for _, s := range b.order("W1", 1) {
+		if s.once {
+			continue // long at its fixed rate, which a warm cache does not change
 		}
 		m := b.backlogRun(ctx, s, "W1-warm-up", 0, b.sz.w1Messages, 1, 0, false)
 		if m.Err != "" {
@@ -130,7 +142,7 @@ func (b *bench) w1(ctx context.Context) error {
 		logf("  W1 warm-up %-14s %.0f/s, not measured", s.name, m.rate())
 	}
 	for r := 1; r <= b.sz.runs; r++ {
-		for _, s := range b.order(r) {
+		for _, s := range b.order("W1", r) {
 			m := b.backlogRun(ctx, s, "W1", r, b.sz.w1Messages, 1, 0, r == b.sz.runs)
 			if err := b.record(ctx, m); err != nil {
 				return err
@@ -150,7 +162,7 @@ func (b *bench) w1(ctx context.Context) error {
 // W4 (latency): 20 messages/s through three stages.
 func (b *bench) w4(ctx context.Context) error {
 	for r := 1; r <= b.sz.runs; r++ {
-		for _, s := range b.order(r) {
+		for _, s := range b.order("W4", r) {
 			m := b.backlogRun(ctx, s, "W4", r, b.sz.w4Messages, 3, 0, false)
 			if err := b.record(ctx, m); err != nil {
 				return err
@@ -166,7 +178,7 @@ func (b *bench) w4(ctx context.Context) error {
 			}
 		}
 	}
-	for _, s := range b.systems {
+	for _, s := range b.systemsFor("W4") {
 		l := b.latencyRun(ctx, s, "W4", b.sz.w4Rate, b.sz.w4Duration, 3)
 		b.res.addLatency(l)
 		if ctx.Err() != nil {
@@ -245,7 +257,7 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 			}
 		}
 		if lastDone {
-			if _, open, err = s.counts(ctx); err != nil {
+			if _, open, err = s.counts(ctx, base); err != nil {
 				return fail(err)
 			}
 			if open == 0 {
@@ -294,7 +306,7 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 		after := readPepsiStats(ctx, s)
 		b.res.pepsiW1 = after.minus(pepsiBefore)
 	}
-	got, err := s.finished(ctx, stages)
+	got, err := s.finished(ctx, stages, base)
 	if err != nil {
 		return fail(err)
 	}
@@ -350,7 +362,7 @@ func readPepsiStats(ctx context.Context, s *system) pepsiStats {
 // W2: a producer keeps target messages pending; throughput over a window after a warm-up.
 func (b *bench) w2(ctx context.Context) error {
 	for r := 1; r <= b.sz.runs; r++ {
-		for _, s := range b.order(r) {
+		for _, s := range b.order("W2", r) {
 			m := b.continuousRun(ctx, s, r)
 			if err := b.record(ctx, m); err != nil {
 				return err
@@ -386,7 +398,7 @@ func (b *bench) continuousRun(ctx context.Context, s *system, run int) (m measur
 	tick := time.NewTicker(200 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		pending, open, err := s.counts(ctx)
+		pending, open, err := s.counts(ctx, 0)
 		if err != nil {
 			return fail(err)
 		}
@@ -440,7 +452,7 @@ type latencyResult struct {
 // W3: single inserts at 20/s and 200/s; latency to stage start and to done.
 func (b *bench) w3(ctx context.Context) error {
 	for _, rate := range b.sz.w3Rates {
-		for _, s := range b.systems {
+		for _, s := range b.systemsFor("W3") {
 			l := b.latencyRun(ctx, s, "W3", rate, b.sz.w3Duration[rate], 1)
 			b.res.addLatency(l)
 			if ctx.Err() != nil {
@@ -505,13 +517,15 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 				return
 			}
 			t := time.Now()
-			if k, err := strconv.ParseInt(n.Payload, 10, 64); err == nil {
-				mu.Lock()
-				if _, ok := doneAt[k]; !ok {
-					doneAt[k] = t
+			mu.Lock()
+			for _, f := range strings.Split(n.Payload, ",") { // PgQ: a batch's messages in one
+				if k, err := strconv.ParseInt(f, 10, 64); err == nil {
+					if _, ok := doneAt[k]; !ok {
+						doneAt[k] = t
+					}
 				}
-				mu.Unlock()
 			}
+			mu.Unlock()
 		}
 	}()
 
@@ -606,7 +620,7 @@ func pct(sorted []float64, p float64) float64 {
 func (b *bench) w5(ctx context.Context) error {
 	bases := map[string]int64{}
 	loaded := map[string]int64{} // by database: systems of one kind share it
-	for _, s := range b.systems {
+	for _, s := range b.systemsFor("W5") {
 		base, ok := loaded[s.dbname]
 		if !ok {
 			logf("  %s: loading %d done and %d failed rows", s.dbname, b.sz.w5Done, b.sz.w5Failed)
@@ -617,7 +631,9 @@ func (b *bench) w5(ctx context.Context) error {
 			loaded[s.dbname] = base
 		}
 		bases[s.name] = base
-		b.res.w5DoneRows[s.name] = b.sz.w5Done
+		if s.kind != kindGraphile { // which counts the run's jobs only
+			b.res.w5DoneRows[s.name] = b.sz.w5Done
+		}
 	}
 	for _, s := range b.systems {
 		if s.kind == kindPepsi {
@@ -625,7 +641,7 @@ func (b *bench) w5(ctx context.Context) error {
 		}
 	}
 	for r := 1; r <= b.sz.runs; r++ {
-		for _, s := range b.order(r) {
+		for _, s := range b.order("W5", r) {
 			m := b.backlogRun(ctx, s, "W5", r, b.sz.w5Messages, 1, bases[s.name], false)
 			if err := b.record(ctx, m); err != nil {
 				return err
@@ -641,6 +657,15 @@ func (b *bench) loadBigTable(ctx context.Context, s *system) (int64, error) {
 	}
 	all := b.sz.w5Done + b.sz.w5Failed
 	var q string
+	if s.kind == kindGraphile {
+		if err := loadGraphileBigTable(ctx, s, all); err != nil {
+			return 0, err
+		}
+		if err := s.vacuum(ctx); err != nil {
+			return 0, err
+		}
+		return s.maxID(ctx)
+	}
 	if s.isRiver() {
 		q = `INSERT INTO river_job (state, attempt, max_attempts, attempted_at, finalized_at, scheduled_at,
 		        created_at, priority, args, kind, queue, errors)
@@ -888,19 +913,21 @@ func (b *bench) w6(ctx context.Context) error {
 			i.p.stop()
 		}
 	}()
-	for _, s := range b.systems {
+	idleDB := map[string]bool{}
+	for _, s := range b.systemsFor("W6") {
 		if s.kind == kindRaw {
 			continue // the raw loop is not a product; its idle behaviour is ours to choose
 		}
-		if s.name == "river-default" {
-			// Two Rivers on one database would share leadership and queues: idle apart.
-			own := *s
-			own.dbname = "bench_river_idle"
-			if err := b.setupSystem(ctx, &own); err != nil {
+		if idleDB[s.dbname] {
+			// Two Rivers (or Graphile Workers) on one database would share leadership and
+			// queues, and their statements would mix: idle apart.
+			own := &system{name: s.name, kind: s.kind, label: s.label, dbname: s.dbname + "_idle", once: s.once, only: s.only}
+			if err := b.setupSystem(ctx, own); err != nil {
 				return err
 			}
-			s = &own
+			s = own
 		}
+		idleDB[s.dbname] = true
 		p, err := b.startSUT(ctx, s, startOpts{stages: 1, tag: "W6"})
 		if err != nil {
 			b.res.idle = append(b.res.idle, idleResult{System: s.name, Err: err.Error()})
