@@ -117,6 +117,7 @@ type bench struct {
 	graphileConcurrency int
 	graphileLocalQueue  int
 	graphile            graphileEnv
+	traceLatency        bool // see the -trace-latency flag
 
 	mu    sync.Mutex
 	procs []*sutProc // every system process started, for the cleanup
@@ -146,7 +147,9 @@ func benchMain() int {
 	mm := flag.Int("pepsi-max-messages", pepsiMaxMessages, "MAX_MESSAGES of every pepsi stage")
 	rw := flag.Int("raw-workers", rawWorkersDefault, "goroutines of the raw loop")
 	rb := flag.Int("raw-batch", rawBatchDefault, "rows per claim of the raw loop")
+	w1 := flag.Int64("w1-messages", 0, "messages of the W1 backlog (default: the mode's size)")
 	w4 := flag.Int64("w4-messages", 0, "messages of the W4 backlog (default: the mode's size)")
+	trace := flag.Bool("trace-latency", false, "latency runs: log every statement of pepsi's database, run its dispatcher and workers with GODEBUG=gctrace=1, and write each message's times to logs/*.latency.csv (use with -keep)")
 	gp := flag.Int("graphile-processes", graphileTunedProcesses, "Graphile Worker tuned: runner processes")
 	gc := flag.Int("graphile-concurrency", graphileTunedConcurrency, "Graphile Worker tuned: concurrentJobs of each process")
 	gl := flag.Int("graphile-local-queue", graphileTunedLocalQueue, "Graphile Worker tuned: localQueue.size of each process")
@@ -154,9 +157,12 @@ func benchMain() int {
 
 	b := &bench{quick: *quick, sz: fullSizes, started: time.Now(), dbs: map[string]*system{},
 		pepsiWorkers: *par, pepsiQueueLimit: *ql, pepsiMaxMessages: *mm, rawWorkers: *rw, rawBatch: *rb,
-		graphileProcesses: *gp, graphileConcurrency: *gc, graphileLocalQueue: *gl}
+		graphileProcesses: *gp, graphileConcurrency: *gc, graphileLocalQueue: *gl, traceLatency: *trace}
 	if *quick {
 		b.sz = quickSizes
+	}
+	if *w1 > 0 {
+		b.sz.w1Messages = *w1
 	}
 	if *w4 > 0 {
 		b.sz.w4Messages = *w4

@@ -468,7 +468,9 @@ func (b *bench) report(chartPath string) string {
 	p("- **PostgreSQL**: a private cluster started by `scripts/pg-private` (initdb defaults; `fsync = on`, ")
 	p("`synchronous_commit = on`, `max_connections = 200`), plus `shared_preload_libraries = 'pg_stat_statements'` ")
 	p("(track = top, track_utility = on) for the statement statistics; all traffic over its Unix socket. One database per ")
-	p("system: pepsi's `schema.sql` for pepsi and the raw loop, River's own migrations (`rivermigrate`) for each River. ")
+	p("system kind: pepsi's `schema.sql` for pepsi and the raw loop, River's own migrations (`rivermigrate`) for each River, ")
+	p("Graphile Worker's own migrations (`runMigrations`) for each Graphile Worker, `CREATE EXTENSION pgq` for PgQ (Debian's ")
+	p("`postgresql-15-pgq3`, installed under /usr/lib/postgresql/15, the server the cluster runs). ")
 	p("Before every measured run the queue table is emptied (`TRUNCATE`, `VACUUM ANALYZE`; W5: the previous run's rows ")
 	p("deleted) and a `CHECKPOINT` is taken; the systems' order rotates from run to run.\n")
 	p("- **pepsi-dispatch**: the real binary (`CGO_ENABLED=0 go build`), a fresh dispatcher per run, the stage program ")
@@ -502,6 +504,7 @@ func (b *bench) report(chartPath string) string {
 	p("insert-only client (`InsertManyFast` for backlogs, `Insert` for single messages). W4: each job inserts the next ")
 	p("stage's job with `client.Insert` from `Work` (not in the job's completion transaction, unlike pepsi's advance, ")
 	p("which is atomic with the stage's outcome).\n")
+	b.peerSettings(&w)
 	p("- **raw loop**: %d goroutines in one process, one connection each, no coordinator: each claims up to %d rows of ", b.rawWorkers, b.rawBatch)
 	p("a stage with one UPDATE … RETURNING of the dispatcher's shape (`claim.go`: the pick walks `workqueue_pending` in ")
 	p("(stage, id) order whatever the statistics say, the UPDATE fetches the picked ids by primary key), plus `FOR UPDATE ")
@@ -522,10 +525,10 @@ func (b *bench) report(chartPath string) string {
 	p("W3 %v/s for %v / %v; W4 %s messages through 3 stages (as many transitions as W1, so the workers' start-up, three pools instead of one, weighs the same), and %d/s for %s; W4f the same backlog through pepsi with s2 and s3 `FUSE = yes` (stage fusion: one worker pass runs the three handlers and commits one outcome; River and the raw loop have nothing alike, so W4f compares with their W4); W4w W4 again through pepsi with three times the worker processes (not a target); W5 W1 with %s messages on top of %s done ",
 		sz.w3Rates, sz.w3Duration[20], sz.w3Duration[200], groupThousands(fmt.Sprint(sz.w4Messages)), sz.w4Rate, sz.w4Duration,
 		groupThousands(fmt.Sprint(sz.w5Messages)), groupThousands(fmt.Sprint(sz.w5Done)))
-	p("and %s failed rows (River: completed and discarded jobs); W6 %s idle. A backlog run longer than %s is cut: its ",
+	p("and %s failed rows (River: completed and discarded jobs; Graphile Worker, which deletes completed jobs and keeps failed ones: as many permanently failed jobs); W6 %s idle. A backlog run longer than %s is cut: its ",
 		groupThousands(fmt.Sprint(sz.w5Failed)), sz.w6Idle, sz.backlogLimit)
-	p("rate over that time is kept (and flagged). River (defaults) runs once per throughput workload (its rate is set by ")
-	p("its 100 ms fetch cooldown for 100 workers, about 1,000 jobs/s, not by noise), the others %d times, in an order that ", sz.runs)
+	p("rate over that time is kept (and flagged). River (defaults) and Graphile Worker (defaults) run once per throughput workload (their rates are set by ")
+	p("River's 100 ms fetch cooldown for 100 workers, about 1,000 jobs/s, and Graphile's one job at a time, not by noise), the others %d times, in an order that ", sz.runs)
 	p("rotates from run to run.\n")
 	return w.String()
 }

@@ -452,6 +452,10 @@ func (b *bench) startSUT(ctx context.Context, s *system, o startOpts) (*sutProc,
 		p.cmd.Env = os.Environ()
 		if o.stamp {
 			p.cmd.Env = append(p.cmd.Env, "BENCH_STAMP=1")
+			if b.traceLatency {
+				// The dispatcher's and the workers' garbage collections, timestamped by the log.
+				p.cmd.Env = append(p.cmd.Env, "GODEBUG=gctrace=1")
+			}
 		}
 		p.cmd.Dir = b.tmp
 		p.cmd.Stderr = logf

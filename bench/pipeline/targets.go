@@ -276,3 +276,31 @@ func (b *bench) howToRead(w *strings.Builder) {
 	p("a choice when seconds of delay are fine (replication, change feeds), not for jobs someone waits for.\n")
 	p("- **raw loop**: not a product, the floor: the same SQL as pepsi with nothing around it. The distance between it and pepsi is what pepsi's architecture costs (see *Where pepsi's time goes*).\n\n")
 }
+
+// peerSettings are the report's settings of Graphile Worker and PgQ.
+func (b *bench) peerSettings(w *strings.Builder) {
+	p := func(format string, args ...any) { fmt.Fprintf(w, format, args...) }
+	p("- **Graphile Worker (tuned)**: %s, as its performance page tunes it (worker.graphile.org/docs/performance): ",
+		orText(b.graphile.version, "Graphile Worker"))
+	p("`localQueue.size = %d` (jobs fetched and locked in batches), `completeJobBatchDelay = 0` and `failJobBatchDelay = 0` ", b.graphileLocalQueue)
+	p("(completions batched), `concurrentJobs = %d` and `maxPoolSize = concurrentJobs + 1` in each of %d runner processes ",
+		b.graphileConcurrency, b.graphileProcesses)
+	p("(`bench/pipeline/graphile/run.mjs`, a parent Node process that forks them); a no-op task (`noop`), which in W4 adds ")
+	p("the next stage's job with `helpers.addJob` (its own statement, as River's `Work` does). The processes and concurrency are what a sweep ")
+	p("on this machine chose: %s. **Graphile Worker (defaults)**: one runner process with its defaults (`concurrentJobs = 1`, ", graphileSweepNote)
+	p("`pollInterval` 2 s, no local queue, no batched completion). The producer enqueues with `graphile_worker.add_jobs` (a backlog, ")
+	p("one call) and `graphile_worker.add_job` (single messages); done is the last stage's job's deletion (Graphile deletes a job ")
+	p("when it completes). Node.js is Debian's or NodeSource's `nodejs` package, whatever `node` is on the PATH; graphile-worker ")
+	p("0.18 declares Node ≥ 22.18 but runs on this Node (the report's software line names it); dependencies from the lock file with `npm ci`.\n")
+	p("- **PgQ**: %s, with its defaults: pgqd's `ticker_period = 1` s, the queue's `ticker_max_count = 500`, ",
+		orText(b.res.pgqVersion, "PgQ"))
+	p("`ticker_max_lag = 3` s, so a batch closes when 500 events have gathered or 3 s have passed. One consumer (`pipeline sut pgq`, ")
+	p("pgqd its child process) takes each batch in one transaction: `pgq.next_batch`, `pgq.get_batch_events`, a count into a table ")
+	p("of the benchmark's, `pgq.finish_batch`, commit; when there is no batch it asks again after %s. In W3 that transaction also ", pgqIdleDelay)
+	p("sends the batch's messages with `NOTIFY bench_done`. PgQ writes an event once, at its insert (the producer's, outside the ")
+	p("measured interval), and keeps no state per event: its consumer writes almost nothing (WAL ≈ 0 per transition). W1, W2 and W3 only: ")
+	p("PgQ is a stream, not a job queue, so the stage workloads (W4) and the big table of done jobs (W5) have no meaning for it.\n")
+}
+
+// graphileSweepNote is what the sweep of Graphile Worker's processes and concurrency found.
+const graphileSweepNote = "(to be filled in by the sweep)"

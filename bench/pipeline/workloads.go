@@ -490,6 +490,13 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 		}
 	}()
 	b.pg.checkpoint(ctx)
+	if b.traceLatency && s.kind == kindPepsi {
+		db := "ALTER DATABASE " + s.dbname
+		if _, err := b.pg.admin.Exec(ctx, db+" SET log_min_duration_statement = 0"); err != nil {
+			return fail(err)
+		}
+		defer b.pg.admin.Exec(context.Background(), db+" RESET log_min_duration_statement")
+	}
 
 	// The observer: LISTEN bench_done on a connection of its own; a notification arrives once
 	// the transaction that finished the message has committed.
@@ -599,12 +606,38 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 			missing++
 		}
 	}
+	if b.traceLatency {
+		b.writeLatencyCSV(fmt.Sprintf("%s-%s-%d", s.name, wl, rate), enq, starts, doneAt)
+	}
 	slices.Sort(l.Start)
 	slices.Sort(l.Done)
 	if missing > 0 {
 		l.Err = fmt.Sprintf("%d of %d messages not done within %s of the last enqueue", missing, total, b.sz.latencyLinger)
 	}
 	return l
+}
+
+// writeLatencyCSV writes each message's enqueue, start and done times (Unix ns; 0: none) to
+// logs/NAME.latency.csv, for matching the slow ones with the server's statement log.
+func (b *bench) writeLatencyCSV(name string, enq map[int64]time.Time, starts map[int64]int64, done map[int64]time.Time) {
+	var w strings.Builder
+	w.WriteString("key,enqueued_ns,start_ns,done_ns\n")
+	keys := make([]int64, 0, len(enq))
+	for k := range enq {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	for _, k := range keys {
+		var d int64
+		if t, ok := done[k]; ok {
+			d = t.UnixNano()
+		}
+		fmt.Fprintf(&w, "%d,%d,%d,%d\n", k, enq[k].UnixNano(), starts[k], d)
+	}
+	path := filepath.Join(b.tmp, "logs", name+".latency.csv")
+	if err := os.WriteFile(path, []byte(w.String()), 0o644); err != nil {
+		logf("  write %s: %v", path, err)
+	}
 }
 
 // pct is the p-th percentile (nearest rank) of sorted values; p = 100 is the maximum.
