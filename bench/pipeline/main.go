@@ -288,7 +288,15 @@ func (b *bench) run(ctx context.Context, outPath, svgPath string) error {
 	}
 	logf("starting a private PostgreSQL cluster in %s", filepath.Join(b.tmp, "pg"))
 	if b.pg, err = startCluster(ctx, b.root, filepath.Join(b.tmp, "pg")); err != nil {
-		return err
+		// On a busy machine pg_ctl now and then gives up on a fresh cluster (seen with several
+		// engineers' clusters running): one more try, in a new directory and on a new port.
+		logf("starting the cluster failed (%v); trying once more", err)
+		if b.pg != nil {
+			b.pg.stop()
+		}
+		if b.pg, err = startCluster(ctx, b.root, filepath.Join(b.tmp, "pg2")); err != nil {
+			return err
+		}
 	}
 	if b.pgPID = b.pg.postmasterPID(); b.pgPID == 0 {
 		return errors.New("cannot read the postmaster's pid")

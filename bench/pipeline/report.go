@@ -337,6 +337,7 @@ func (b *bench) report(chartPath string) string {
 				f2(pct(l.Done, 50)), f2(pct(l.Done, 99)), f2(pct(l.Done, 100)), f0(l.CPUPerSec), f0(l.OtherPct))
 		}
 		p("\n")
+		b.hopsSection(&w)
 	}
 
 	// Targets.

@@ -161,6 +161,12 @@ func (s *system) deleteAbove(ctx context.Context, base int64) error {
 	if _, err := s.pool.Exec(ctx, q, base); err != nil {
 		return fmt.Errorf("delete run rows: %w", err)
 	}
+	if s.kind == kindGraphile {
+		// The run's jobs are counted from the identity's last value: start it again at base.
+		if _, err := s.pool.Exec(ctx, `SELECT setval(pg_get_serial_sequence('graphile_worker._private_jobs', 'id'), $1)`, base); err != nil {
+			return fmt.Errorf("restart the job ids: %w", err)
+		}
+	}
 	return s.vacuum(ctx)
 }
 

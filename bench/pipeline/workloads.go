@@ -442,10 +442,11 @@ type latencyResult struct {
 	Rate      int
 	Stages    int
 	Sent      int
-	Start     []float64 // sorted
-	Done      []float64 // sorted
-	CPUPerSec float64   // ms of CPU per second of the run: the system and PostgreSQL, idle time included
-	OtherPct  float64   // CPU of processes outside the benchmark and PostgreSQL meanwhile, % of the machine
+	Start     []float64   // sorted
+	Done      []float64   // sorted
+	CPUPerSec float64     // ms of CPU per second of the run: the system and PostgreSQL, idle time included
+	OtherPct  float64     // CPU of processes outside the benchmark and PostgreSQL meanwhile, % of the machine
+	Hops      [][]float64 // -trace-latency, pepsi: per hop of hopNames, sorted ms
 	Err       string
 }
 
@@ -490,7 +491,9 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 		}
 	}()
 	b.pg.checkpoint(ctx)
+	var traceOff int64
 	if b.traceLatency && s.kind == kindPepsi {
+		traceOff = b.pg.logOffset()
 		db := "ALTER DATABASE " + s.dbname
 		if _, err := b.pg.admin.Exec(ctx, db+" SET log_min_duration_statement = 0"); err != nil {
 			return fail(err)
@@ -608,6 +611,9 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 	}
 	if b.traceLatency {
 		b.writeLatencyCSV(fmt.Sprintf("%s-%s-%d", s.name, wl, rate), enq, starts, doneAt)
+		if s.kind == kindPepsi && stages == 1 {
+			l.Hops = b.traceHops(traceOff, enq, starts, doneAt)
+		}
 	}
 	slices.Sort(l.Start)
 	slices.Sort(l.Done)
