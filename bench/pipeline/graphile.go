@@ -24,10 +24,10 @@ const graphileJobs = "graphile_worker._private_jobs"
 // Graphile Worker's settings. Tuned: its performance page (worker.graphile.org/docs/performance)
 // runs concurrentJobs 24, maxPoolSize 25, localQueue.size 500, completeJobBatchDelay 0 and
 // failJobBatchDelay 0, several instances; the number of processes and the concurrency are
-// what a sweep on this machine chose (see the report's settings). Defaults: one process with
+// what a sweep on this machine chose (graphileSweepNote, in the report's settings). Defaults: one process with
 // Graphile Worker's defaults (concurrentJobs 1, no local queue, no batched completion).
 const (
-	graphileTunedProcesses   = 2
+	graphileTunedProcesses   = 1
 	graphileTunedConcurrency = 24
 	graphileTunedLocalQueue  = 500
 )

@@ -303,4 +303,9 @@ func (b *bench) peerSettings(w *strings.Builder) {
 }
 
 // graphileSweepNote is what the sweep of Graphile Worker's processes and concurrency found.
-const graphileSweepNote = "(to be filled in by the sweep)"
+const graphileSweepNote = "W1 with 30,000 jobs, 2 runs each in two rounds (4 runs a setting, each beside pepsi in the same " +
+	"invocation, on the shared machine at 4-82 % other load), processes × concurrentJobs: 1 × 24: median 16.1k/s " +
+	"(best 18.4k), 57-71 CPU ms per 1,000; 1 × 64: 12.4k (17.8k), 59-70; 2 × 8: 11.9k (16.0k), 70-89; 2 × 24: 11.5k " +
+	"(15.2k), 74-80; 2 × 64: 11.0k (13.9k), 60-84; 4 × 8: 9.1k (11.8k), 93-99; 3 × 16: 8.5k (13.1k), 80-93; 4 × 24: " +
+	"7.6k (8.5k), 81-135. One process of 24 did best and cheapest: a Node process keeps about one core busy, and on 2 " +
+	"cores a second one only takes CPU from PostgreSQL, while every process adds its own fetches and connections"
