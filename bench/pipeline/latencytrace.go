@@ -1,7 +1,8 @@
 // latencytrace.go: with -trace-latency, where a pepsi message's time goes between its enqueue
 // and its done, hop by hop, from the server's statement log (every statement of pepsi's
 // database, log_min_duration_statement = 0) and the message's own times: enqueue → the end of
-// the dispatcher's claim that took it → the stage handler's start → the end of the worker's
+// the dispatcher's claim that took it → the end of the worker's SELECT of the batch's payloads
+// (the SDK's first statement) → the stage handler's start → the end of the worker's
 // outcome UPDATE (with its commit, the WAL flush) → the benchmark's receipt of the done
 // NOTIFY. The log's timestamps have millisecond resolution: the hops are good to about 1 ms.
 package main
@@ -19,7 +20,8 @@ import (
 // hopNames are the hops of a traced message, in order.
 var hopNames = []string{
 	"enqueue → claim returned (notification, dispatcher wake-up, claim)",
-	"claim returned → handler start (pipe, worker wake-up, payload read)",
+	"claim returned → the worker's payload SELECT returned (pipe, worker wake-up, one round trip)",
+	"payload SELECT returned → handler start",
 	"handler start → outcome UPDATE returned (the statement and its commit)",
 	"outcome UPDATE returned → done NOTIFY received",
 }
@@ -41,7 +43,7 @@ func (b *bench) traceHops(off int64, enq map[int64]time.Time, starts map[int64]i
 		logf("  trace: %v", err)
 		return nil
 	}
-	var claims, updates []time.Time // statement end times
+	var claims, selects, updates []time.Time // statement end times
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 1<<20), 1<<24)
 	for sc.Scan() {
@@ -59,12 +61,15 @@ func (b *bench) traceHops(off int64, enq map[int64]time.Time, starts map[int64]i
 			// The claim is the dispatcher's prepared statement (the log's execute lines do not
 			// repeat its text); its other executions are rare while messages flow.
 			claims = append(claims, t)
+		case strings.HasPrefix(app, "pepsi-worker") && strings.Contains(stmt, "SELECT workqueue_id, attempts, payload"):
+			selects = append(selects, t)
 		case strings.HasPrefix(app, "pepsi-worker") && strings.Contains(stmt, "UPDATE workqueue"):
 			updates = append(updates, t)
 		}
 	}
 	slices.SortFunc(claims, func(x, y time.Time) int { return x.Compare(y) })
 	slices.SortFunc(updates, func(x, y time.Time) int { return x.Compare(y) })
+	slices.SortFunc(selects, func(x, y time.Time) int { return x.Compare(y) })
 	after := func(ts []time.Time, t time.Time) (time.Time, bool) {
 		// The log truncates to the millisecond: a statement that ended within the same
 		// millisecond as t may show as just before it.
@@ -87,11 +92,15 @@ func (b *bench) traceHops(off int64, enq map[int64]time.Time, starts map[int64]i
 		if !ok || c.After(s.Add(time.Millisecond)) {
 			continue
 		}
+		q, ok := after(selects, c)
+		if !ok || q.After(s.Add(time.Millisecond)) {
+			continue
+		}
 		u, ok := after(updates, s)
 		if !ok || u.After(d.Add(time.Millisecond)) {
 			continue
 		}
-		for i, v := range []float64{ms(e, c), ms(c, s), ms(s, u), ms(u, d)} {
+		for i, v := range []float64{ms(e, c), ms(c, q), ms(q, s), ms(s, u), ms(u, d)} {
 			hops[i] = append(hops[i], max(v, 0))
 		}
 	}
