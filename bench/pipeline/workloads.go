@@ -276,6 +276,9 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 			if err != nil {
 				return fail(err)
 			}
+			if done == 0 {
+				return fail(fmt.Errorf("not one of %d transitions made within %s", n*int64(stages), b.sz.backlogLimit))
+			}
 			m.Transitions, m.Messages = done, done/int64(stages)
 			m.Note = fmt.Sprintf("cut after %s: %d of %d transitions made", b.sz.backlogLimit, done, n*int64(stages))
 			return m
