@@ -81,7 +81,7 @@ func (b *bench) ensureGraphile(ctx context.Context) error {
 	g.once.Do(func() {
 		g.dir = b.graphileDir()
 		if g.node, g.err = exec.LookPath("node"); g.err != nil {
-			g.err = fmt.Errorf("Graphile Worker needs Node.js (Debian: apt-get install nodejs npm), or leave graphile out of -systems: %w", g.err)
+			g.err = fmt.Errorf("graphile: Graphile Worker needs Node.js (Debian: apt-get install nodejs npm), or leave graphile out of -systems: %w", g.err)
 			return
 		}
 		if !fileExists(filepath.Join(g.dir, "node_modules", "graphile-worker", "package.json")) {

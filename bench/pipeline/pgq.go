@@ -42,7 +42,7 @@ const (
 // /usr/lib/postgresql/15, where Debian's package puts it) and the progress table.
 func setupPgq(ctx context.Context, s *system) error {
 	if _, err := exec.LookPath("pgqd"); err != nil {
-		return fmt.Errorf("PgQ needs pgqd and the extension (Debian: apt-get install postgresql-15-pgq3 pgqd), or leave pgq out of -systems: %w", err)
+		return fmt.Errorf("pgq: PgQ needs pgqd and the extension (Debian: apt-get install postgresql-15-pgq3 pgqd), or leave pgq out of -systems: %w", err)
 	}
 	err := execScript(ctx, s.pool, `CREATE EXTENSION IF NOT EXISTS pgq;
 CREATE TABLE IF NOT EXISTS bench_pgq_progress (id int PRIMARY KEY, consumed bigint NOT NULL);
