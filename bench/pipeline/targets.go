@@ -231,8 +231,9 @@ func (b *bench) floorNotes(w *strings.Builder) {
 	p("- **PostgreSQL**: %s CPU ms per 1,000 transitions for pepsi against %s for the raw loop", f1(pe.pg1k), f1(raw.pg1k))
 	pc, rc := r.stmts["pepsi"], r.stmts["raw"]
 	if pc.Transitions > 0 && rc.Transitions > 0 {
-		p(" (%.3f against %.3f statements per transition: pepsi's claims are bigger than a raw goroutine's, and its workers also read each batch's payloads with one SELECT)",
-			float64(pc.Calls)/float64(pc.Transitions), float64(rc.Calls)/float64(rc.Transitions))
+		p(" (%.3f against %.3f statements per transition: pepsi sends a claim for up to %d messages, then per worker batch of up to %d a SELECT of the payloads and the outcomes' UPDATE; the raw loop a claim and an UPDATE per up to %d)",
+			float64(pc.Calls)/float64(pc.Transitions), float64(rc.Calls)/float64(rc.Transitions),
+			b.pepsiWorkers*b.pepsiQueueLimit, b.pepsiQueueLimit, b.rawBatch)
 	}
 	p(".\n")
 	p("- **Outside PostgreSQL**: the dispatcher %s and the stage workers %s CPU ms per 1,000 transitions (claims, pipes, status lines, the SDK), against the raw loop's %s in its one process.\n",
