@@ -2,8 +2,8 @@
 // Worker, PgQ and a raw PostgreSQL loop, side by side in one run, on one private PostgreSQL
 // cluster.
 //
-//	cd bench && go run ./pipeline            # the full run (about 20 minutes on 2 cores)
-//	cd bench && go run ./pipeline -quick     # a short run (about 3 minutes), smaller sizes, 1 run
+//	cd bench && go run ./pipeline            # the full run (about 40 minutes on 2 cores)
+//	cd bench && go run ./pipeline -quick     # a short run (about 6 minutes), smaller sizes, 1 run
 //
 // It builds pepsi-dispatch (CGO_ENABLED=0) and the no-op stage program (./pipeline/stage, built
 // with pepsi's SDK), starts a private cluster with scripts/pg-private (PostgreSQL's defaults,
