@@ -1,14 +1,16 @@
-// Command pipeline is the benchmark of issue 7: pepsi-dispatch against River and against a raw
-// PostgreSQL loop, side by side in one run, on one private PostgreSQL cluster.
+// Command pipeline is the benchmark of issues 7 and 23: pepsi-dispatch against River, Graphile
+// Worker, PgQ and a raw PostgreSQL loop, side by side in one run, on one private PostgreSQL
+// cluster.
 //
-//	cd bench && go run ./pipeline            # the full run (about 20 minutes on 2 cores)
-//	cd bench && go run ./pipeline -quick     # a short run (about 3 minutes), smaller sizes, 1 run
+//	cd bench && go run ./pipeline            # the full run (about 40 minutes on 2 cores)
+//	cd bench && go run ./pipeline -quick     # a short run (about 6 minutes), smaller sizes, 1 run
 //
 // It builds pepsi-dispatch (CGO_ENABLED=0) and the no-op stage program (./pipeline/stage, built
 // with pepsi's SDK), starts a private cluster with scripts/pg-private (PostgreSQL's defaults,
 // synchronous_commit = on, plus pg_stat_statements), makes one database per system, and
 // measures workloads W1-W6 for pepsi, River v0.51.2 tuned as River's own benchmark, River with
-// its defaults, and the raw loop. It writes BENCHMARKS.md at the repository root and the chart
+// its defaults, Graphile Worker tuned as its performance page and with its defaults (Node.js:
+// ./graphile), PgQ (W1-W3) and the raw loop. It writes BENCHMARKS.md at the repository root and the chart
 // bench/results.svg. Everything it started is stopped and removed on exit, error or Ctrl-C.
 //
 // `pipeline sut KIND ...` is internal: the process in which River or the raw loop runs.
@@ -111,6 +113,12 @@ type bench struct {
 	rawWorkers       int
 	rawBatch         int
 
+	graphileProcesses   int
+	graphileConcurrency int
+	graphileLocalQueue  int
+	graphile            graphileEnv
+	traceLatency        bool // see the -trace-latency flag
+
 	mu    sync.Mutex
 	procs []*sutProc // every system process started, for the cleanup
 
@@ -132,20 +140,29 @@ func benchMain() int {
 	out := flag.String("out", "", "the Markdown report (default: BENCHMARKS.md at the repository root)")
 	svg := flag.String("svg", "", "the chart (default: bench/results.svg)")
 	only := flag.String("only", "", "comma-separated workloads to run (W1,...,W6); default all")
-	systems := flag.String("systems", "", "comma-separated systems to measure (pepsi,river,river-default,raw); default all")
+	systems := flag.String("systems", "", "comma-separated systems to measure (pepsi,river,river-default,graphile,graphile-default,pgq,raw); default all")
 	keep := flag.Bool("keep", false, "keep the temporary directory (logs, cluster) for a look")
 	par := flag.Int("pepsi-workers", pepsiWorkers, "pepsi's worker processes in all: the PARALLELISM of a 1-stage pipeline, divided among the stages of a longer one")
 	ql := flag.Int("pepsi-queue-limit", pepsiQueueLimit, "QUEUE_LIMIT of every pepsi stage")
 	mm := flag.Int("pepsi-max-messages", pepsiMaxMessages, "MAX_MESSAGES of every pepsi stage")
 	rw := flag.Int("raw-workers", rawWorkersDefault, "goroutines of the raw loop")
 	rb := flag.Int("raw-batch", rawBatchDefault, "rows per claim of the raw loop")
+	w1 := flag.Int64("w1-messages", 0, "messages of the W1 backlog (default: the mode's size)")
 	w4 := flag.Int64("w4-messages", 0, "messages of the W4 backlog (default: the mode's size)")
+	trace := flag.Bool("trace-latency", false, "latency runs: log every statement of pepsi's database, run its dispatcher and workers with GODEBUG=gctrace=1, and write each message's times to logs/*.latency.csv (use with -keep)")
+	gp := flag.Int("graphile-processes", graphileTunedProcesses, "Graphile Worker tuned: runner processes")
+	gc := flag.Int("graphile-concurrency", graphileTunedConcurrency, "Graphile Worker tuned: concurrentJobs of each process")
+	gl := flag.Int("graphile-local-queue", graphileTunedLocalQueue, "Graphile Worker tuned: localQueue.size of each process")
 	flag.Parse()
 
 	b := &bench{quick: *quick, sz: fullSizes, started: time.Now(), dbs: map[string]*system{},
-		pepsiWorkers: *par, pepsiQueueLimit: *ql, pepsiMaxMessages: *mm, rawWorkers: *rw, rawBatch: *rb}
+		pepsiWorkers: *par, pepsiQueueLimit: *ql, pepsiMaxMessages: *mm, rawWorkers: *rw, rawBatch: *rb,
+		graphileProcesses: *gp, graphileConcurrency: *gc, graphileLocalQueue: *gl, traceLatency: *trace}
 	if *quick {
 		b.sz = quickSizes
+	}
+	if *w1 > 0 {
+		b.sz.w1Messages = *w1
 	}
 	if *w4 > 0 {
 		b.sz.w4Messages = *w4
@@ -271,7 +288,15 @@ func (b *bench) run(ctx context.Context, outPath, svgPath string) error {
 	}
 	logf("starting a private PostgreSQL cluster in %s", filepath.Join(b.tmp, "pg"))
 	if b.pg, err = startCluster(ctx, b.root, filepath.Join(b.tmp, "pg")); err != nil {
-		return err
+		// On a busy machine pg_ctl now and then gives up on a fresh cluster (seen with several
+		// engineers' clusters running): one more try, in a new directory and on a new port.
+		logf("starting the cluster failed (%v); trying once more", err)
+		if b.pg != nil {
+			b.pg.stop()
+		}
+		if b.pg, err = startCluster(ctx, b.root, filepath.Join(b.tmp, "pg2")); err != nil {
+			return err
+		}
 	}
 	if b.pgPID = b.pg.postmasterPID(); b.pgPID == 0 {
 		return errors.New("cannot read the postmaster's pid")
@@ -281,7 +306,10 @@ func (b *bench) run(ctx context.Context, outPath, svgPath string) error {
 		// where River with its defaults idles on a database of its own.
 		{name: "pepsi", kind: kindPepsi, label: "pepsi-dispatch", dbname: "bench_workqueue"},
 		{name: "river", kind: kindRiver, label: "River (tuned)", dbname: "bench_river"},
-		{name: "river-default", kind: kindRiver, label: "River (defaults)", dbname: "bench_river"},
+		{name: "river-default", kind: kindRiver, label: "River (defaults)", dbname: "bench_river", once: true},
+		{name: "graphile", kind: kindGraphile, label: "Graphile Worker (tuned)", dbname: "bench_graphile"},
+		{name: "graphile-default", kind: kindGraphile, label: "Graphile Worker (defaults)", dbname: "bench_graphile", once: true},
+		{name: "pgq", kind: kindPgq, label: "PgQ", dbname: "bench_pgq", only: map[string]bool{"W1": true, "W2": true, "W3": true}},
 		{name: "raw", kind: kindRaw, label: "raw loop", dbname: "bench_workqueue"},
 	}
 	if b.onlySys != nil {

@@ -1,6 +1,7 @@
 // sut.go: the systems under test that run in a process of their own, started by the benchmark
 // as `pipeline sut KIND -dsn DSN -stages N [-stamp FILE]`: River (tuned as River's benchmark,
-// or with River's defaults) and the raw loop. A process of their own, like pepsi-dispatch, so
+// or with River's defaults), the raw loop and PgQ's consumer (pgq.go). (Graphile Worker runs
+// in Node: graphile/run.mjs.) A process of their own, like pepsi-dispatch, so
 // that the CPU and peak memory of each system are measured the same way, from /proc, and the
 // benchmark's producer and observer are never counted as the system's work.
 //
@@ -117,7 +118,7 @@ func (w *riverWorker) Work(ctx context.Context, job *river.Job[benchArgs]) error
 // sutMain is `pipeline sut KIND ...`; it returns the exit status.
 func sutMain(args []string) int {
 	if len(args) < 1 {
-		fmt.Fprintln(os.Stderr, "usage: pipeline sut river|river-default|raw -dsn DSN -stages N [-stamp FILE]")
+		fmt.Fprintln(os.Stderr, "usage: pipeline sut river|river-default|raw|pgq -dsn DSN -stages N [-stamp FILE]")
 		return 2
 	}
 	kind := args[0]
@@ -139,6 +140,8 @@ func sutMain(args []string) int {
 		err = runRiver(ctx, *dsn, kind == "river", st)
 	case "raw":
 		err = runRaw(ctx, *dsn, *stages, *rawWorkers, *rawBatch, st)
+	case "pgq":
+		err = runPgq(ctx, *dsn, st)
 	default:
 		err = fmt.Errorf("unknown system %q", kind)
 	}
@@ -190,8 +193,10 @@ func runRiver(ctx context.Context, dsn string, tuned bool, st *stamps) error {
 // since several goroutines claim: the pick walks the partial index workqueue_pending in
 // (stage, id) order (`stage = ANY (ARRAY[...])` with ORDER BY stage, id leaves the planner no
 // other ordered path, whatever the statistics say), and the UPDATE fetches exactly the picked
-// ids by primary key (the coalesce keeps it off the partial index). Outcome: the SDK's guarded
-// per-row UPDATE, all of a claim's rows in one transaction, sent pipelined in one round trip.
+// ids by primary key (the coalesce keeps it off the partial index). Outcome: the SDK's set-based UPDATE of a
+// batch's outcomes (stage/stage.go, outcomeStatement: unnest of the ids and their new stage,
+// status and state, under the same guard), one statement per claim: a raw batched UPDATE loop,
+// the floor of what pepsi's SQL costs on the machine.
 const (
 	rawClaimSQL = `UPDATE workqueue q
    SET status = 'running', claim = (SELECT nextval('workqueue_claim_seq')), claimed_at = now()
@@ -201,10 +206,12 @@ const (
          ORDER BY stage, workqueue_id LIMIT $2 FOR UPDATE SKIP LOCKED))
    AND coalesce(q.status, '') = 'pending'
 RETURNING q.workqueue_id`
-	rawAdvanceSQL = `UPDATE workqueue SET stage = $2, status = 'pending', state = $3::jsonb
- WHERE workqueue_id = $1 AND status = 'running' AND stage = $4`
-	rawDoneSQL = `UPDATE workqueue SET status = 'done', state = $2::jsonb
- WHERE workqueue_id = $1 AND status = 'running' AND stage = $3`
+	rawOutcomesSQL = `UPDATE workqueue AS w SET stage = coalesce(v.stage, w.stage), status = v.status,
+       attempts = CASE WHEN v.stage IS NULL THEN w.attempts ELSE 0 END, state = v.state
+  FROM unnest($1::bigint[], $2::text[], $3::text[], $4::jsonb[]) AS v (id, stage, status, state),
+       (SELECT 'running'::text AS status, $5::text AS stage OFFSET 0) AS guard
+ WHERE w.workqueue_id = ANY ($1::bigint[]) AND w.workqueue_id = v.id
+   AND w.status = guard.status AND w.stage = guard.stage`
 )
 
 func runRaw(ctx context.Context, dsn string, nstages, rawWorkers, rawBatch int, st *stamps) error {
@@ -339,25 +346,24 @@ func rawWorker(ctx context.Context, pool *pgxpool.Pool, names []string, rawBatch
 	return ctx.Err()
 }
 
+// rawOutcomes writes a claim's outcomes in one statement (its own transaction), sent with
+// its values inlined (the simple protocol), as the SDK inlines them: a custom plan every time.
 func rawOutcomes(ctx context.Context, conn *pgx.Conn, ids []int64, names []string, si int) error {
-	tx, err := conn.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("begin: %w", err)
-	}
-	defer tx.Rollback(context.Background()) // a no-op after Commit
-	var b pgx.Batch
-	for _, id := range ids {
+	stages := make([]*string, len(ids))
+	statuses := make([]string, len(ids))
+	states := make([]string, len(ids))
+	for i := range ids {
+		statuses[i], states[i] = "done", "{}"
 		if si+1 < len(names) {
-			b.Queue(rawAdvanceSQL, id, names[si+1], "{}", names[si])
-		} else {
-			b.Queue(rawDoneSQL, id, "{}", names[si])
+			stages[i], statuses[i] = &names[si+1], "pending"
 		}
 	}
-	if err := tx.SendBatch(ctx, &b).Close(); err != nil {
+	tag, err := conn.Exec(ctx, rawOutcomesSQL, pgx.QueryExecModeSimpleProtocol, ids, stages, statuses, states, names[si])
+	if err != nil {
 		return fmt.Errorf("outcomes: %w", err)
 	}
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("commit: %w", err)
+	if int(tag.RowsAffected()) != len(ids) {
+		return fmt.Errorf("outcomes: %d of %d rows written", tag.RowsAffected(), len(ids))
 	}
 	return nil
 }

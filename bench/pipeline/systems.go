@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -25,29 +26,45 @@ import (
 )
 
 const (
-	kindPepsi = "pepsi"
-	kindRiver = "river"
-	kindRaw   = "raw"
+	kindPepsi    = "pepsi"
+	kindRiver    = "river"
+	kindRaw      = "raw"
+	kindGraphile = "graphile"
+	kindPgq      = "pgq"
 )
 
 type system struct {
-	name   string // pepsi, river, river-default, raw
-	kind   string // kindPepsi, kindRiver, kindRaw
+	name   string // pepsi, river, river-default, graphile, graphile-default, pgq, raw
+	kind   string // kindPepsi, kindRiver, kindRaw, kindGraphile, kindPgq
 	label  string // for the report
 	dbname string
+	once   bool            // measured once per throughput workload: its rate is set by its defaults, not by noise
+	only   map[string]bool // the workloads it runs (nil: all)
 	dsn    string
 	pool   *pgxpool.Pool
 	probe  *pgxpool.Pool         // the observer's counts: index scans only (enable_seqscan = off)
 	rc     *river.Client[pgx.Tx] // River: an insert-only client, the producer's
+
+	// PgQ keeps no row per message: what was produced is counted here (the producer is one
+	// goroutine at a time), what was consumed by the consumer in bench_pgq_progress.
+	produced atomic.Int64
 }
 
 func (s *system) isRiver() bool { return s.kind == kindRiver }
+
+// runs tells whether the system takes part in workload wl (PgQ: W1, W2 and W3 only).
+func (s *system) runs(wl string) bool {
+	if base, ok := pepsiVariants[wl]; ok {
+		wl = base
+	}
+	return s.only == nil || s.only[wl]
+}
 
 // setupSystem creates the system's database and its schema, or shares those of a system of the
 // same kind already set up on it.
 func (b *bench) setupSystem(ctx context.Context, s *system) error {
 	if o := b.dbs[s.dbname]; o != nil {
-		if o.kind == kindRiver != s.isRiver() {
+		if o.kind != s.kind && !(o.kind == kindPepsi && s.kind == kindRaw || o.kind == kindRaw && s.kind == kindPepsi) {
 			return fmt.Errorf("database %s: %s and %s need different schemas", s.dbname, o.name, s.name)
 		}
 		s.dsn, s.pool, s.probe, s.rc = o.dsn, o.pool, o.probe, o.rc
@@ -88,24 +105,36 @@ func (b *bench) setupSystem(ctx context.Context, s *system) error {
 		if err != nil {
 			return err
 		}
+	case kindGraphile:
+		return b.setupGraphile(ctx, s)
+	case kindPgq:
+		if err := setupPgq(ctx, s); err != nil {
+			return err
+		}
+		b.res.pgqVersion = pgqVersion(ctx, s)
 	}
 	return nil
 }
 
 // table is the system's queue table.
 func (s *system) table() string {
-	if s.isRiver() {
+	switch s.kind {
+	case kindRiver:
 		return "river_job"
+	case kindGraphile:
+		return graphileJobs
+	case kindPgq:
+		return "bench_pgq_progress"
 	}
 	return "workqueue"
 }
 
 // reset empties the queue table (every workload but W5 starts from an empty table).
 func (s *system) reset(ctx context.Context) error {
-	q := "TRUNCATE workqueue RESTART IDENTITY"
-	if s.isRiver() {
-		q = "TRUNCATE river_job RESTART IDENTITY"
+	if s.kind == kindPgq {
+		return s.resetPgq(ctx)
 	}
+	q := "TRUNCATE " + s.table() + " RESTART IDENTITY"
 	if _, err := s.pool.Exec(ctx, q); err != nil {
 		return fmt.Errorf("%s: %w", q, err)
 	}
@@ -123,11 +152,20 @@ func (s *system) vacuum(ctx context.Context) error {
 // deleteAbove removes the rows a W5 run added on top of the big table.
 func (s *system) deleteAbove(ctx context.Context, base int64) error {
 	q := "DELETE FROM workqueue WHERE workqueue_id > $1"
-	if s.isRiver() {
+	switch s.kind {
+	case kindRiver:
 		q = "DELETE FROM river_job WHERE id > $1"
+	case kindGraphile:
+		q = "DELETE FROM " + graphileJobs + " WHERE id > $1"
 	}
 	if _, err := s.pool.Exec(ctx, q, base); err != nil {
 		return fmt.Errorf("delete run rows: %w", err)
+	}
+	if s.kind == kindGraphile {
+		// The run's jobs are counted from the identity's last value: start it again at base.
+		if _, err := s.pool.Exec(ctx, `SELECT setval(pg_get_serial_sequence('graphile_worker._private_jobs', 'id'), $1)`, base); err != nil {
+			return fmt.Errorf("restart the job ids: %w", err)
+		}
 	}
 	return s.vacuum(ctx)
 }
@@ -135,8 +173,11 @@ func (s *system) deleteAbove(ctx context.Context, base int64) error {
 // maxID is the highest row id of the queue table.
 func (s *system) maxID(ctx context.Context) (int64, error) {
 	q := "SELECT coalesce(max(workqueue_id), 0) FROM workqueue"
-	if s.isRiver() {
+	switch s.kind {
+	case kindRiver:
 		q = "SELECT coalesce(max(id), 0) FROM river_job"
+	case kindGraphile:
+		q = "SELECT coalesce(max(id), 0) FROM " + graphileJobs
 	}
 	var n int64
 	err := s.pool.QueryRow(ctx, q).Scan(&n)
@@ -162,60 +203,95 @@ func (s *system) enqueueBulk(ctx context.Context, first, n int64, stages int, an
 		return err
 	}
 	defer tx.Rollback(context.Background()) // a no-op after Commit
-	if !s.isRiver() {
-		_, err = tx.Exec(ctx, `INSERT INTO workqueue (stage, payload)
-			SELECT 's1', jsonb_build_object('msg', g) FROM generate_series($1::bigint, $2::bigint) g`,
-			first, first+n-1)
-	} else {
+	switch s.kind {
+	case kindRiver:
 		params := make([]river.InsertManyParams, n)
 		for i := range params {
 			params[i].Args = benchArgs{Msg: first + int64(i), Stage: 1, Last: stages}
 		}
 		_, err = s.rc.InsertManyFastTx(ctx, tx, params)
+	case kindGraphile:
+		_, err = tx.Exec(ctx, graphileAddJobsSQL, first, first+n-1, stages)
+	case kindPgq:
+		_, err = tx.Exec(ctx, pgqInsertManySQL, first, first+n-1)
+	default:
+		_, err = tx.Exec(ctx, `INSERT INTO workqueue (stage, payload)
+			SELECT 's1', jsonb_build_object('msg', g) FROM generate_series($1::bigint, $2::bigint) g`,
+			first, first+n-1)
 	}
 	if err != nil {
 		return err
 	}
-	if analyze {
+	if analyze && s.kind != kindPgq {
 		if _, err := tx.Exec(ctx, "ANALYZE "+s.table()); err != nil {
 			return err
 		}
 	}
-	return tx.Commit(ctx)
+	if err := tx.Commit(ctx); err != nil {
+		return err
+	}
+	s.produced.Add(n)
+	return nil
 }
 
 // enqueueOne enqueues one message and returns the key its done notification will carry: the
 // workqueue_id for pepsi and the raw loop, msg for River (whose chain of jobs has new ids).
 func (s *system) enqueueOne(ctx context.Context, msg int64, stages int) (int64, error) {
-	if !s.isRiver() {
+	var err error
+	switch s.kind {
+	case kindRiver:
+		_, err = s.rc.Insert(ctx, benchArgs{Msg: msg, Stage: 1, Last: stages}, nil)
+	case kindGraphile:
+		_, err = s.pool.Exec(ctx, graphileAddJobSQL, msg, stages)
+	case kindPgq:
+		_, err = s.pool.Exec(ctx, pgqInsertSQL, msg)
+		if err == nil {
+			s.produced.Add(1)
+		}
+	default:
 		var id int64
-		err := s.pool.QueryRow(ctx, `INSERT INTO workqueue (stage, payload) VALUES ('s1', jsonb_build_object('msg', $1::bigint))
+		err = s.pool.QueryRow(ctx, `INSERT INTO workqueue (stage, payload) VALUES ('s1', jsonb_build_object('msg', $1::bigint))
 			RETURNING workqueue_id`, msg).Scan(&id)
 		return id, err
 	}
-	_, err := s.rc.Insert(ctx, benchArgs{Msg: msg, Stage: 1, Last: stages}, nil)
 	return msg, err
 }
 
 // counts returns the messages waiting to be taken and those not finished yet (waiting or in
 // flight). Both come from the partial/leading-state indexes (the probe session forbids
 // sequential scans), so a count costs the index entries of what is left, not the table.
-func (s *system) counts(ctx context.Context) (pending, open int64, err error) {
+// base is the highest row id before the run (W5's big table; 0 otherwise): Graphile Worker
+// has no index on a locked job, so its jobs in flight are counted on the primary key's range
+// of the run's rows.
+func (s *system) counts(ctx context.Context, base int64) (pending, open int64, err error) {
 	q := `SELECT (SELECT count(*) FROM workqueue WHERE status = 'pending'),
 	             (SELECT count(*) FROM workqueue WHERE status = 'running')`
-	if s.isRiver() {
+	var args []any
+	switch s.kind {
+	case kindRiver:
 		q = `SELECT (SELECT count(*) FROM river_job WHERE state = 'available'),
 		            (SELECT count(*) FROM river_job WHERE state IN ('running', 'pending', 'scheduled', 'retryable'))`
+	case kindGraphile:
+		q = graphileCountsSQL
+		args = append(args, base)
+	case kindPgq:
+		var consumed int64
+		if err := s.probe.QueryRow(ctx, pgqConsumedSQL).Scan(&consumed); err != nil {
+			return 0, 0, err
+		}
+		// PgQ cannot tell waiting events from those in a batch being read.
+		left := s.produced.Load() - consumed
+		return left, left, nil
 	}
 	var running int64
-	err = s.probe.QueryRow(ctx, q).Scan(&pending, &running)
+	err = s.probe.QueryRow(ctx, q, args...).Scan(&pending, &running)
 	return pending, pending + running, err
 }
 
 // lastRow returns the id of the newest row, the last message of a backlog just enqueued; 0 when
 // its completion cannot be read from one row (River's multi-stage chains make new rows).
 func (s *system) lastRow(ctx context.Context, stages int) (int64, error) {
-	if s.isRiver() && stages > 1 {
+	if s.isRiver() && stages > 1 || s.kind == kindGraphile && stages > 1 || s.kind == kindPgq {
 		return 0, nil
 	}
 	return s.maxID(ctx)
@@ -225,21 +301,39 @@ func (s *system) lastRow(ctx context.Context, stages int) (int64, error) {
 // backlog in id order, so the last row finishing means the end is at most a batch away.
 func (s *system) rowFinished(ctx context.Context, id int64) (bool, error) {
 	q := `SELECT status = 'done' FROM workqueue WHERE workqueue_id = $1`
-	if s.isRiver() {
+	switch s.kind {
+	case kindRiver:
 		q = `SELECT state = 'completed' FROM river_job WHERE id = $1`
+	case kindGraphile:
+		// Graphile Worker deletes a job when it completes.
+		q = `SELECT NOT EXISTS (SELECT FROM ` + graphileJobs + ` WHERE id = $1)`
 	}
 	var done bool
 	err := s.probe.QueryRow(ctx, q, id).Scan(&done)
 	return done, err
 }
 
-// finished counts the messages that completed their last stage.
-func (s *system) finished(ctx context.Context, stages int) (int64, error) {
+// finished counts the messages that completed their last stage (pepsi and River: on the whole
+// table, W5's done rows included; Graphile Worker and PgQ: those of the run, above base).
+func (s *system) finished(ctx context.Context, stages int, base int64) (int64, error) {
 	q := `SELECT count(*) FROM workqueue WHERE status = 'done'`
 	args := []any{}
-	if s.isRiver() {
+	switch s.kind {
+	case kindRiver:
 		q = `SELECT count(*) FROM river_job WHERE state = 'completed' AND (args->>'stage')::int = $1`
 		args = append(args, stages)
+	case kindGraphile:
+		// Completed jobs are deleted: with none of the run's left, all it made completed.
+		var made, left int64
+		if err := s.pool.QueryRow(ctx, graphileMadeLeftSQL, base).Scan(&made, &left); err != nil {
+			return 0, err
+		}
+		if left > 0 {
+			return 0, fmt.Errorf("%d of the run's jobs left (failed or unfinished)", left)
+		}
+		return made / int64(stages), nil
+	case kindPgq:
+		q = pgqConsumedSQL
 	}
 	var n int64
 	err := s.pool.QueryRow(ctx, q, args...).Scan(&n)
@@ -252,9 +346,17 @@ func (s *system) transitionsDone(ctx context.Context, stages int, base int64) (i
 	q := `SELECT coalesce(sum(CASE WHEN status = 'done' THEN $2 ELSE substr(stage, 2)::int - 1 END), 0)::bigint
 	        FROM workqueue WHERE workqueue_id > $1`
 	args := []any{base, stages}
-	if s.isRiver() {
+	switch s.kind {
+	case kindRiver:
 		q = `SELECT count(*) FROM river_job WHERE state = 'completed' AND id > $1`
 		args = args[:1]
+	case kindGraphile:
+		// Every job the run made (the identity's last value) that is gone has completed.
+		var made, left int64
+		err := s.pool.QueryRow(ctx, graphileMadeLeftSQL, base).Scan(&made, &left)
+		return made - left, err
+	case kindPgq:
+		q, args = pgqConsumedSQL, nil
 	}
 	var n int64
 	err := s.pool.QueryRow(ctx, q, args...).Scan(&n)
@@ -266,13 +368,18 @@ func (s *system) transitionsDone(ctx context.Context, stages int, base int64) (i
 // moment the outcome is durable and visible, for every system alike.
 func (s *system) installDoneTrigger(ctx context.Context) error {
 	var q string
-	if s.isRiver() {
+	switch {
+	case s.kind == kindPgq:
+		return nil // the consumer notifies at each batch's commit (pgq.go)
+	case s.kind == kindGraphile:
+		q = graphileDoneTrigger
+	case s.isRiver():
 		q = `CREATE OR REPLACE FUNCTION bench_done_notify() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN PERFORM pg_notify('bench_done', NEW.args->>'msg'); RETURN NULL; END $$;
 CREATE OR REPLACE TRIGGER bench_done AFTER UPDATE OF state ON river_job FOR EACH ROW
   WHEN (NEW.state = 'completed' AND OLD.state <> 'completed' AND NEW.args->>'stage' = NEW.args->>'last')
   EXECUTE FUNCTION bench_done_notify();`
-	} else {
+	default:
 		q = `CREATE OR REPLACE FUNCTION bench_done_notify() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN PERFORM pg_notify('bench_done', NEW.workqueue_id::text); RETURN NULL; END $$;
 CREATE OR REPLACE TRIGGER bench_done AFTER UPDATE OF status ON workqueue FOR EACH ROW
@@ -283,6 +390,9 @@ CREATE OR REPLACE TRIGGER bench_done AFTER UPDATE OF status ON workqueue FOR EAC
 }
 
 func (s *system) dropDoneTrigger(ctx context.Context) error {
+	if s.kind == kindPgq {
+		return nil
+	}
 	_, err := s.pool.Exec(ctx, "DROP TRIGGER IF EXISTS bench_done ON "+s.table())
 	return err
 }
@@ -348,10 +458,23 @@ func (b *bench) startSUT(ctx context.Context, s *system, o startOpts) (*sutProc,
 		p.cmd.Env = os.Environ()
 		if o.stamp {
 			p.cmd.Env = append(p.cmd.Env, "BENCH_STAMP=1")
+			if b.traceLatency {
+				// The dispatcher's and the workers' garbage collections, timestamped by the log.
+				p.cmd.Env = append(p.cmd.Env, "GODEBUG=gctrace=1")
+			}
 		}
 		p.cmd.Dir = b.tmp
 		p.cmd.Stderr = logf
 		ready = func() error { return b.waitPepsiReady(ctx, p) }
+	case kindGraphile:
+		p.cmd = b.graphileCommand(s, o)
+		if o.stamp {
+			p.stampPath = base + ".stamps"
+			p.cmd.Args = append(p.cmd.Args, "-stamp", p.stampPath)
+		}
+		if ready, err = readyLine(ctx, p, logf); err != nil {
+			return nil, err
+		}
 	default:
 		args := []string{"sut", s.name, "-dsn", s.dsn, "-stages", strconv.Itoa(o.stages),
 			"-raw-workers", strconv.Itoa(b.rawWorkers), "-raw-batch", strconv.Itoa(b.rawBatch)}
@@ -361,34 +484,8 @@ func (b *bench) startSUT(ctx context.Context, s *system, o startOpts) (*sutProc,
 		}
 		p.cmd = exec.Command(b.self, args...)
 		p.cmd.Dir = b.tmp
-		p.cmd.Stderr = logf
-		out, err := p.cmd.StdoutPipe()
-		if err != nil {
+		if ready, err = readyLine(ctx, p, logf); err != nil {
 			return nil, err
-		}
-		line := make(chan string, 1)
-		go func() {
-			r := bufio.NewReader(out)
-			l, _ := r.ReadString('\n')
-			line <- strings.TrimSpace(l)
-			for { // keep draining, so the child never blocks on stdout
-				if _, err := r.ReadString('\n'); err != nil {
-					return
-				}
-			}
-		}()
-		ready = func() error {
-			select {
-			case l := <-line:
-				if l != "ready" {
-					return fmt.Errorf("%s did not start (said %q); see %s", s.name, l, p.logPath)
-				}
-				return nil
-			case <-time.After(60 * time.Second):
-				return fmt.Errorf("%s not ready after 60 s; see %s", s.name, p.logPath)
-			case <-ctx.Done():
-				return ctx.Err()
-			}
 		}
 	}
 	// A process group of its own: a Ctrl-C at the terminal reaches only the benchmark, which
@@ -408,6 +505,40 @@ func (b *bench) startSUT(ctx context.Context, s *system, o startOpts) (*sutProc,
 		return nil, err
 	}
 	return p, nil
+}
+
+// readyLine connects the system's stderr to its log and waits, in the function it returns, for
+// the line "ready" on its stdout (then keeps draining stdout, so that the child never blocks).
+func readyLine(ctx context.Context, p *sutProc, logf *os.File) (func() error, error) {
+	p.cmd.Stderr = logf
+	out, err := p.cmd.StdoutPipe()
+	if err != nil {
+		return nil, fmt.Errorf("%s: stdout: %w", p.sys.name, err)
+	}
+	line := make(chan string, 1)
+	go func() {
+		r := bufio.NewReader(out)
+		l, _ := r.ReadString('\n')
+		line <- strings.TrimSpace(l)
+		for {
+			if _, err := r.ReadString('\n'); err != nil {
+				return
+			}
+		}
+	}()
+	return func() error {
+		select {
+		case l := <-line:
+			if l != "ready" {
+				return fmt.Errorf("%s did not start (said %q); see %s", p.sys.name, l, p.logPath)
+			}
+			return nil
+		case <-time.After(60 * time.Second):
+			return fmt.Errorf("%s not ready after 60 s; see %s", p.sys.name, p.logPath)
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}, nil
 }
 
 // stop ends the system: SIGTERM, then SIGKILL to its process group after 20 s. Then it ends

@@ -1,7 +1,9 @@
 package main
 
 import (
+	"fmt"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -23,5 +25,78 @@ func TestStageParallelism(t *testing.T) {
 		if got := stageParallelism(tc.workers, tc.o); !slices.Equal(got, tc.want) {
 			t.Errorf("stageParallelism(%d, %+v) = %v, want %v", tc.workers, tc.o, got, tc.want)
 		}
+	}
+}
+
+// TestOrder: the systems with their defaults run once, PgQ only its workloads, and the order
+// rotates.
+func TestOrder(t *testing.T) {
+	b := &bench{systems: []*system{
+		{name: "pepsi"}, {name: "river-default", once: true},
+		{name: "pgq", only: map[string]bool{"W1": true, "W2": true, "W3": true}}, {name: "raw"},
+	}}
+	names := func(ss []*system) []string {
+		var out []string
+		for _, s := range ss {
+			out = append(out, s.name)
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		wl   string
+		run  int
+		want []string
+	}{
+		{"W1", 1, []string{"pepsi", "river-default", "pgq", "raw"}},
+		{"W1", 2, []string{"pgq", "raw", "pepsi"}},
+		{"W4", 1, []string{"pepsi", "river-default", "raw"}},
+		{"W4f", 3, []string{"raw", "pepsi"}},
+		{"W5", 2, []string{"raw", "pepsi"}},
+	} {
+		if got := names(b.order(tc.wl, tc.run)); !slices.Equal(got, tc.want) {
+			t.Errorf("order(%s, %d) = %v, want %v", tc.wl, tc.run, got, tc.want)
+		}
+	}
+}
+
+// TestChunkJoin: PgQ's done notifications carry a batch's messages in payloads under the
+// limit, every message once, in order.
+func TestChunkJoin(t *testing.T) {
+	var items []string
+	for i := 0; i < 3000; i++ {
+		items = append(items, fmt.Sprint(i*7919))
+	}
+	parts := chunkJoin(items, 700)
+	var back []string
+	for _, p := range parts {
+		if len(p) > 700 {
+			t.Fatalf("part of %d bytes over the limit", len(p))
+		}
+		back = append(back, strings.Split(p, ",")...)
+	}
+	if !slices.Equal(back, items) {
+		t.Fatalf("rejoined %d items, want the %d given in order", len(back), len(items))
+	}
+	if got := chunkJoin(nil, 700); len(got) != 0 {
+		t.Fatalf("chunkJoin(nil) = %q, want nothing", got)
+	}
+}
+
+// TestLogStmtRe: the statement log lines the latency trace reads, under the cluster's
+// log_line_prefix, for the dispatcher's claim and a worker's outcome.
+func TestLogStmtRe(t *testing.T) {
+	for _, tc := range []struct{ line, app, stmt string }{
+		{"2026-12-02 15:14:39.598 UTC [7858] pepsi-dispatch 16417@bench_workqueue LOG:  duration: 0.784 ms  execute 1: WITH claimed AS (",
+			"pepsi-dispatch 16417", "execute 1: WITH claimed AS ("},
+		{"2026-12-02 15:14:40.001 UTC [7893] pepsi-worker 16417@bench_workqueue LOG:  duration: 37.30 ms  statement: UPDATE workqueue SET status = 'done'",
+			"pepsi-worker 16417", "statement: UPDATE workqueue SET status = 'done'"},
+	} {
+		m := logStmtRe.FindStringSubmatch(tc.line)
+		if m == nil || m[2] != tc.app || m[4] != tc.stmt {
+			t.Errorf("logStmtRe on %q = %q, want app %q, statement %q", tc.line, m, tc.app, tc.stmt)
+		}
+	}
+	if logStmtRe.MatchString("2026-12-02 15:14:39.598 UTC [7858] x@y WARNING:  something") {
+		t.Error("logStmtRe matched a line without a duration")
 	}
 }

@@ -95,21 +95,33 @@ func fill(m *measurement, s0, s1 snapshot) {
 	}
 }
 
-// order rotates the systems from run to run, so that no system always runs first (on a
-// fresher cluster) or last.
+// order rotates the systems that run workload wl from run to run, so that no system always
+// runs first (on a fresher cluster) or last.
 //
-// River with its defaults runs in the first run only: its rate is set by its fetch cooldown
-// (100 ms for up to 100 workers, about 1,000 jobs/s), not by the machine's noise, and its slow
-// runs would otherwise take a third of the time budget.
-func (b *bench) order(run int) []*system {
+// The systems with their defaults run in the first run only: River's rate is set by its fetch
+// cooldown (100 ms for up to 100 workers, about 1,000 jobs/s), Graphile Worker's by its one
+// job at a time, not by the machine's noise, and their slow runs would otherwise take a good
+// share of the time budget.
+func (b *bench) order(wl string, run int) []*system {
 	n := len(b.systems)
 	var out []*system
 	for i := 0; i < n; i++ {
 		s := b.systems[(i+run-1)%n]
-		if s.name == "river-default" && run > 1 {
+		if s.once && run > 1 || !s.runs(wl) {
 			continue
 		}
 		out = append(out, s)
+	}
+	return out
+}
+
+// systemsFor are the systems that run workload wl, in their order.
+func (b *bench) systemsFor(wl string) []*system {
+	var out []*system
+	for _, s := range b.systems {
+		if s.runs(wl) {
+			out = append(out, s)
+		}
 	}
 	return out
 }
@@ -118,9 +130,9 @@ func (b *bench) order(run int) []*system {
 // first runs it once unmeasured: the first run of the benchmark otherwise pays for cold caches
 // (binaries, the new databases' catalogs; 20-35 % slower for pepsi and River in one full run).
 func (b *bench) w1(ctx context.Context) error {
-	for _, s := range b.order(1) {
-		if s.name == "river-default" {
-			continue // 100 s at its fixed rate, which a warm cache does not change
+	for _, s := range b.order("W1", 1) {
+		if s.once {
+			continue // long at its fixed rate, which a warm cache does not change
 		}
 		m := b.backlogRun(ctx, s, "W1-warm-up", 0, b.sz.w1Messages, 1, 0, false)
 		if m.Err != "" {
@@ -130,7 +142,7 @@ func (b *bench) w1(ctx context.Context) error {
 		logf("  W1 warm-up %-14s %.0f/s, not measured", s.name, m.rate())
 	}
 	for r := 1; r <= b.sz.runs; r++ {
-		for _, s := range b.order(r) {
+		for _, s := range b.order("W1", r) {
 			m := b.backlogRun(ctx, s, "W1", r, b.sz.w1Messages, 1, 0, r == b.sz.runs)
 			if err := b.record(ctx, m); err != nil {
 				return err
@@ -150,7 +162,7 @@ func (b *bench) w1(ctx context.Context) error {
 // W4 (latency): 20 messages/s through three stages.
 func (b *bench) w4(ctx context.Context) error {
 	for r := 1; r <= b.sz.runs; r++ {
-		for _, s := range b.order(r) {
+		for _, s := range b.order("W4", r) {
 			m := b.backlogRun(ctx, s, "W4", r, b.sz.w4Messages, 3, 0, false)
 			if err := b.record(ctx, m); err != nil {
 				return err
@@ -166,7 +178,7 @@ func (b *bench) w4(ctx context.Context) error {
 			}
 		}
 	}
-	for _, s := range b.systems {
+	for _, s := range b.systemsFor("W4") {
 		l := b.latencyRun(ctx, s, "W4", b.sz.w4Rate, b.sz.w4Duration, 3)
 		b.res.addLatency(l)
 		if ctx.Err() != nil {
@@ -245,7 +257,7 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 			}
 		}
 		if lastDone {
-			if _, open, err = s.counts(ctx); err != nil {
+			if _, open, err = s.counts(ctx, base); err != nil {
 				return fail(err)
 			}
 			if open == 0 {
@@ -263,6 +275,9 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 			done, err := s.transitionsDone(ctx, stages, base)
 			if err != nil {
 				return fail(err)
+			}
+			if done == 0 {
+				return fail(fmt.Errorf("not one of %d transitions made within %s", n*int64(stages), b.sz.backlogLimit))
 			}
 			m.Transitions, m.Messages = done, done/int64(stages)
 			m.Note = fmt.Sprintf("cut after %s: %d of %d transitions made", b.sz.backlogLimit, done, n*int64(stages))
@@ -294,7 +309,7 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 		after := readPepsiStats(ctx, s)
 		b.res.pepsiW1 = after.minus(pepsiBefore)
 	}
-	got, err := s.finished(ctx, stages)
+	got, err := s.finished(ctx, stages, base)
 	if err != nil {
 		return fail(err)
 	}
@@ -350,7 +365,7 @@ func readPepsiStats(ctx context.Context, s *system) pepsiStats {
 // W2: a producer keeps target messages pending; throughput over a window after a warm-up.
 func (b *bench) w2(ctx context.Context) error {
 	for r := 1; r <= b.sz.runs; r++ {
-		for _, s := range b.order(r) {
+		for _, s := range b.order("W2", r) {
 			m := b.continuousRun(ctx, s, r)
 			if err := b.record(ctx, m); err != nil {
 				return err
@@ -386,7 +401,7 @@ func (b *bench) continuousRun(ctx context.Context, s *system, run int) (m measur
 	tick := time.NewTicker(200 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		pending, open, err := s.counts(ctx)
+		pending, open, err := s.counts(ctx, 0)
 		if err != nil {
 			return fail(err)
 		}
@@ -430,17 +445,18 @@ type latencyResult struct {
 	Rate      int
 	Stages    int
 	Sent      int
-	Start     []float64 // sorted
-	Done      []float64 // sorted
-	CPUPerSec float64   // ms of CPU per second of the run: the system and PostgreSQL, idle time included
-	OtherPct  float64   // CPU of processes outside the benchmark and PostgreSQL meanwhile, % of the machine
+	Start     []float64   // sorted
+	Done      []float64   // sorted
+	CPUPerSec float64     // ms of CPU per second of the run: the system and PostgreSQL, idle time included
+	OtherPct  float64     // CPU of processes outside the benchmark and PostgreSQL meanwhile, % of the machine
+	Hops      [][]float64 // -trace-latency, pepsi: per hop of hopNames, sorted ms
 	Err       string
 }
 
 // W3: single inserts at 20/s and 200/s; latency to stage start and to done.
 func (b *bench) w3(ctx context.Context) error {
 	for _, rate := range b.sz.w3Rates {
-		for _, s := range b.systems {
+		for _, s := range b.systemsFor("W3") {
 			l := b.latencyRun(ctx, s, "W3", rate, b.sz.w3Duration[rate], 1)
 			b.res.addLatency(l)
 			if ctx.Err() != nil {
@@ -478,6 +494,15 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 		}
 	}()
 	b.pg.checkpoint(ctx)
+	var traceOff int64
+	if b.traceLatency && s.kind == kindPepsi {
+		traceOff = b.pg.logOffset()
+		db := "ALTER DATABASE " + s.dbname
+		if _, err := b.pg.admin.Exec(ctx, db+" SET log_min_duration_statement = 0"); err != nil {
+			return fail(err)
+		}
+		defer b.pg.admin.Exec(context.Background(), db+" RESET log_min_duration_statement")
+	}
 
 	// The observer: LISTEN bench_done on a connection of its own; a notification arrives once
 	// the transaction that finished the message has committed.
@@ -505,13 +530,15 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 				return
 			}
 			t := time.Now()
-			if k, err := strconv.ParseInt(n.Payload, 10, 64); err == nil {
-				mu.Lock()
-				if _, ok := doneAt[k]; !ok {
-					doneAt[k] = t
+			mu.Lock()
+			for _, f := range strings.Split(n.Payload, ",") { // PgQ: a batch's messages in one
+				if k, err := strconv.ParseInt(f, 10, 64); err == nil {
+					if _, ok := doneAt[k]; !ok {
+						doneAt[k] = t
+					}
 				}
-				mu.Unlock()
 			}
+			mu.Unlock()
 		}
 	}()
 
@@ -585,12 +612,41 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 			missing++
 		}
 	}
+	if b.traceLatency {
+		b.writeLatencyCSV(fmt.Sprintf("%s-%s-%d", s.name, wl, rate), enq, starts, doneAt)
+		if s.kind == kindPepsi && stages == 1 {
+			l.Hops = b.traceHops(traceOff, enq, starts, doneAt)
+		}
+	}
 	slices.Sort(l.Start)
 	slices.Sort(l.Done)
 	if missing > 0 {
 		l.Err = fmt.Sprintf("%d of %d messages not done within %s of the last enqueue", missing, total, b.sz.latencyLinger)
 	}
 	return l
+}
+
+// writeLatencyCSV writes each message's enqueue, start and done times (Unix ns; 0: none) to
+// logs/NAME.latency.csv, for matching the slow ones with the server's statement log.
+func (b *bench) writeLatencyCSV(name string, enq map[int64]time.Time, starts map[int64]int64, done map[int64]time.Time) {
+	var w strings.Builder
+	w.WriteString("key,enqueued_ns,start_ns,done_ns\n")
+	keys := make([]int64, 0, len(enq))
+	for k := range enq {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	for _, k := range keys {
+		var d int64
+		if t, ok := done[k]; ok {
+			d = t.UnixNano()
+		}
+		fmt.Fprintf(&w, "%d,%d,%d,%d\n", k, enq[k].UnixNano(), starts[k], d)
+	}
+	path := filepath.Join(b.tmp, "logs", name+".latency.csv")
+	if err := os.WriteFile(path, []byte(w.String()), 0o644); err != nil {
+		logf("  write %s: %v", path, err)
+	}
 }
 
 // pct is the p-th percentile (nearest rank) of sorted values; p = 100 is the maximum.
@@ -606,7 +662,7 @@ func pct(sorted []float64, p float64) float64 {
 func (b *bench) w5(ctx context.Context) error {
 	bases := map[string]int64{}
 	loaded := map[string]int64{} // by database: systems of one kind share it
-	for _, s := range b.systems {
+	for _, s := range b.systemsFor("W5") {
 		base, ok := loaded[s.dbname]
 		if !ok {
 			logf("  %s: loading %d done and %d failed rows", s.dbname, b.sz.w5Done, b.sz.w5Failed)
@@ -617,7 +673,9 @@ func (b *bench) w5(ctx context.Context) error {
 			loaded[s.dbname] = base
 		}
 		bases[s.name] = base
-		b.res.w5DoneRows[s.name] = b.sz.w5Done
+		if s.kind != kindGraphile { // which counts the run's jobs only
+			b.res.w5DoneRows[s.name] = b.sz.w5Done
+		}
 	}
 	for _, s := range b.systems {
 		if s.kind == kindPepsi {
@@ -625,7 +683,7 @@ func (b *bench) w5(ctx context.Context) error {
 		}
 	}
 	for r := 1; r <= b.sz.runs; r++ {
-		for _, s := range b.order(r) {
+		for _, s := range b.order("W5", r) {
 			m := b.backlogRun(ctx, s, "W5", r, b.sz.w5Messages, 1, bases[s.name], false)
 			if err := b.record(ctx, m); err != nil {
 				return err
@@ -641,6 +699,15 @@ func (b *bench) loadBigTable(ctx context.Context, s *system) (int64, error) {
 	}
 	all := b.sz.w5Done + b.sz.w5Failed
 	var q string
+	if s.kind == kindGraphile {
+		if err := loadGraphileBigTable(ctx, s, all); err != nil {
+			return 0, err
+		}
+		if err := s.vacuum(ctx); err != nil {
+			return 0, err
+		}
+		return s.maxID(ctx)
+	}
 	if s.isRiver() {
 		q = `INSERT INTO river_job (state, attempt, max_attempts, attempted_at, finalized_at, scheduled_at,
 		        created_at, priority, args, kind, queue, errors)
@@ -888,19 +955,21 @@ func (b *bench) w6(ctx context.Context) error {
 			i.p.stop()
 		}
 	}()
-	for _, s := range b.systems {
+	idleDB := map[string]bool{}
+	for _, s := range b.systemsFor("W6") {
 		if s.kind == kindRaw {
 			continue // the raw loop is not a product; its idle behaviour is ours to choose
 		}
-		if s.name == "river-default" {
-			// Two Rivers on one database would share leadership and queues: idle apart.
-			own := *s
-			own.dbname = "bench_river_idle"
-			if err := b.setupSystem(ctx, &own); err != nil {
+		if idleDB[s.dbname] {
+			// Two Rivers (or Graphile Workers) on one database would share leadership and
+			// queues, and their statements would mix: idle apart.
+			own := &system{name: s.name, kind: s.kind, label: s.label, dbname: s.dbname + "_idle", once: s.once, only: s.only}
+			if err := b.setupSystem(ctx, own); err != nil {
 				return err
 			}
-			s = &own
+			s = own
 		}
+		idleDB[s.dbname] = true
 		p, err := b.startSUT(ctx, s, startOpts{stages: 1, tag: "W6"})
 		if err != nil {
 			b.res.idle = append(b.res.idle, idleResult{System: s.name, Err: err.Error()})

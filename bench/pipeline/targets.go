@@ -1,0 +1,312 @@
+// targets.go: the report's verdicts on issue 23's targets, the notes on where pepsi's time goes
+// in W1 against the floor (the raw loop), and the newcomer's guide to the figures.
+package main
+
+import (
+	"fmt"
+	"math"
+	"strings"
+)
+
+// systemOrder is the order of the systems in every table.
+var systemOrder = []string{"pepsi", "river", "river-default", "graphile", "graphile-default", "pgq", "raw"}
+
+// names are the systems of this run, in the tables' order.
+func (b *bench) names() []string {
+	var out []string
+	for _, n := range systemOrder {
+		for _, s := range b.systems {
+			if s.name == n {
+				out = append(out, n)
+			}
+		}
+	}
+	return out
+}
+
+// hasChildren tells whether the system's work runs in child processes (their own column).
+func (b *bench) hasChildren(name string) bool {
+	switch name {
+	case "pepsi", "pgq":
+		return true
+	case "graphile":
+		return b.graphileProcesses > 1
+	}
+	return false
+}
+
+// baseOf is the workload the other systems' figures come from for one of pepsi's variants.
+func baseOf(wl string) string {
+	if base, ok := pepsiVariants[wl]; ok {
+		return base
+	}
+	return wl
+}
+
+func orText(s, alt string) string {
+	if s == "" {
+		return alt
+	}
+	return s
+}
+
+func verdict(ok bool) string {
+	if ok {
+		return "**met**"
+	}
+	return "**missed**"
+}
+
+// targets writes the check of issue 23's targets (which tighten issue 7's).
+func (b *bench) targets(w *strings.Builder) {
+	r := &b.res
+	p := func(format string, args ...any) { fmt.Fprintf(w, format, args...) }
+	p("| target | measured | |\n|---|---|---|\n")
+	for _, wl := range []string{"W1", "W2"} {
+		if !b.want(wl) {
+			continue
+		}
+		pe, ri, gr := r.summary(wl, "pepsi"), r.summary(wl, "river"), r.summary(wl, "graphile")
+		// The faster of the tuned peers measured.
+		best, bestName, bestCPU := math.NaN(), "", math.NaN()
+		for _, c := range []struct {
+			s    summary
+			name string
+		}{{ri, "river"}, {gr, "graphile"}} {
+			if !math.IsNaN(c.s.rate) && (math.IsNaN(best) || c.s.rate > best) {
+				best, bestName, bestCPU = c.s.rate, c.name, c.s.cpu1k
+			}
+		}
+		if math.IsNaN(pe.rate) || math.IsNaN(best) {
+			p("| %s: pepsi ≥ 1.5 × the faster of River (tuned) and Graphile Worker (tuned) | no data | |\n", wl)
+			continue
+		}
+		p("| %s: pepsi ≥ 1.5 × the faster of River (tuned) and Graphile Worker (tuned) | pepsi %s; River %s, Graphile Worker %s transitions/s: %s over %s = %s | %s |\n",
+			wl, f0(pe.rate), f0(ri.rate), f0(gr.rate), "pepsi", b.sysLabel(bestName), ratio(pe.rate, best), verdict(pe.rate >= 1.5*best))
+		cheaper := pe.cpu1k < bestCPU
+		for _, c := range []summary{ri, gr} {
+			if !math.IsNaN(c.cpu1k) {
+				cheaper = cheaper && pe.cpu1k < c.cpu1k
+			}
+		}
+		p("| %s: fewer CPU ms per 1,000 transitions than River (tuned) and Graphile Worker (tuned) | %s vs %s (River), %s (Graphile Worker) | %s |\n",
+			wl, f1(pe.cpu1k), f1(ri.cpu1k), f1(gr.cpu1k), verdict(cheaper))
+		// The floor on this host, beside the target: a host on which even the raw loop is not
+		// 1.5 × the peers leaves pepsi no room, whatever it does.
+		if raw := r.summary(wl, "raw"); !math.IsNaN(raw.rate) {
+			p("| (context, not a target) %s: the raw loop, the floor, against the faster peer | %s vs %s transitions/s = %s; pepsi/raw %s | |\n",
+				wl, f0(raw.rate), f0(best), ratio(raw.rate, best), ratio(pe.rate, raw.rate))
+		}
+		if pq := r.summary(wl, "pgq"); !math.IsNaN(pq.rate) {
+			p("| (context, not a target) %s: PgQ, batches per tick | %s transitions/s, %s CPU ms / 1k; pepsi/PgQ %s | |\n",
+				wl, f0(pq.rate), f1(pq.cpu1k), ratio(pe.rate, pq.rate))
+		}
+	}
+	if b.want("W3") {
+		if l := r.latency("W3", 20, "pepsi"); l != nil && len(l.Done) > 0 {
+			p50, p99 := pct(l.Done, 50), pct(l.Done, 99)
+			p("| W3 at 20/s: enqueue → done p50 ≤ 2 ms | %s ms | %s |\n", f2(p50), verdict(p50 <= 2))
+			p("| W3 at 20/s: enqueue → done p99 ≤ 5 ms | %s ms | %s |\n", f2(p99), verdict(p99 <= 5))
+		}
+		if l := r.latency("W3", 200, "pepsi"); l != nil && len(l.Done) > 0 {
+			p99 := pct(l.Done, 99)
+			p("| W3 at 200/s: enqueue → done p99 ≤ 8 ms | %s ms (p50 %s ms) | %s |\n", f2(p99), f2(pct(l.Done, 50)), verdict(p99 <= 8))
+		}
+		for _, rate := range b.sz.w3Rates {
+			if l := r.latency("W3", rate, "raw"); l != nil && len(l.Done) > 0 {
+				p("| (context, not a target) W3 at %d/s: the raw loop's enqueue → done p50, p99 | %s ms, %s ms | |\n",
+					rate, f2(pct(l.Done, 50)), f2(pct(l.Done, 99)))
+			}
+		}
+	}
+	if b.want("W4") && b.want("W1") {
+		b.w4Targets(w)
+	}
+	if b.want("W5") {
+		if b.want("W1") {
+			w5, w1 := r.summary("W5", "pepsi"), r.summary("W1", "pepsi")
+			if !math.IsNaN(w5.rate) && !math.IsNaN(w1.rate) {
+				p("| W5: throughput ≥ 95 %% of W1's | %s vs %s = %.0f %% | %s |\n", f0(w5.rate), f0(w1.rate), 100*w5.rate/w1.rate,
+					verdict(w5.rate >= 0.95*w1.rate))
+			}
+		}
+		ok := len(r.explain) > 0
+		var reads []string
+		cheap := len(r.explain) > 0
+		for _, e := range r.explain {
+			ok = ok && e.usesPendingIndex()
+			if e.TimedOut != "" {
+				cheap = false
+				reads = append(reads, "over "+b.sz.explainBudget.String())
+				continue
+			}
+			cheap = cheap && e.Read <= 2*int64(e.Cap)
+			reads = append(reads, groupThousands(fmt.Sprint(e.Read))+" rows in "+execTime(e.Plan))
+		}
+		p("| W5: the claim stays on the partial index | %d plans, see below | %s |\n", len(r.explain), verdict(ok))
+		p("| (not a target of the issue) a claim reads about what it takes | reading to claim up to %d: %s | %s |\n",
+			b.pepsiWorkers*b.pepsiQueueLimit, strings.Join(reads, ", "), verdict(cheap))
+	}
+	if b.want("W6") {
+		for _, i := range r.idle {
+			if i.System != "pepsi" || i.Seconds == 0 {
+				continue
+			}
+			allowed := int64(math.Ceil(i.Seconds / 30))
+			p("| W6: at most one query per POLL_INTERVAL (30 s), nothing else | %d queries in %.0f s (allowed %d) | %s |\n",
+				i.Calls, i.Seconds, allowed, verdict(i.Calls <= allowed))
+		}
+	}
+}
+
+// w4Targets checks W4 against W1 in every run, not only in the medians: each W4 run's
+// messages/s against a third of W1's median transitions/s (the runs of W1 and W4 are minutes
+// apart, so a run of one has no natural partner in the other; the median is W1's best estimate).
+func (b *bench) w4Targets(w *strings.Builder) {
+	r := &b.res
+	p := func(format string, args ...any) { fmt.Fprintf(w, format, args...) }
+	w1 := r.summary("W1", "pepsi")
+	if math.IsNaN(w1.rate) {
+		return
+	}
+	third := w1.rate / 3
+	for _, wl := range []string{"W4", "W4f"} {
+		var runs []string
+		all, n := true, 0
+		for _, m := range r.meas {
+			if m.Workload != wl || m.System != "pepsi" {
+				continue
+			}
+			if m.Err != "" {
+				runs = append(runs, fmt.Sprintf("run %d failed", m.Run))
+				all = false
+				continue
+			}
+			mr := float64(m.Messages) / m.Seconds
+			n++
+			ok := mr >= third
+			all = all && ok
+			mark := ""
+			if !ok {
+				mark = " (below)"
+			}
+			runs = append(runs, fmt.Sprintf("run %d: %s (%.0f %%)%s", m.Run, f0(mr), 100*mr/third, mark))
+		}
+		if n == 0 {
+			continue
+		}
+		title := "W4 (unfused): every run's 3-stage messages/s ≥ 1/3 of W1's transitions/s"
+		if wl == "W4f" {
+			title = "W4 with stage fusion (s2, s3 `FUSE = yes`): every run's messages/s ≥ 1/3 of W1's transitions/s"
+		}
+		p("| %s | W1 median %s / 3 = %s; %s | %s |\n", title, f0(w1.rate), f0(third), strings.Join(runs, "; "), verdict(all))
+	}
+	if w4w := r.summary("W4w", "pepsi"); !math.IsNaN(w4w.msgRate) {
+		p("| (not a target) W4w, PARALLELISM %d on each of the 3 stages (%d workers, 3 × W1's): messages/s against W1's transitions/s / 3 | %s vs %s | %.0f %% |\n",
+			b.pepsiWorkers, 3*b.pepsiWorkers, f0(w4w.msgRate), f0(third), 100*w4w.msgRate/third)
+	}
+}
+
+// floorNotes says, a sentence each, where pepsi's time goes in W1 against the raw batched
+// UPDATE loop measured in the same run, from the cost table and the statement statistics.
+func (b *bench) floorNotes(w *strings.Builder) {
+	r := &b.res
+	if !b.want("W1") {
+		return
+	}
+	pe, raw := r.summary("W1", "pepsi"), r.summary("W1", "raw")
+	if math.IsNaN(pe.rate) || math.IsNaN(raw.rate) {
+		return
+	}
+	p := func(format string, args ...any) { fmt.Fprintf(w, format, args...) }
+	p("## Where pepsi's time goes in W1, against the floor\n\n")
+	p("The floor is the raw loop: the dispatcher's claim statement and the SDK's set-based outcome UPDATE, one of each per claim of up to %d rows, ",
+		b.rawBatch)
+	p("issued by %d goroutines with no dispatcher, no pipes, no worker processes and no read of the payloads (medians of the same run).\n\n", b.rawWorkers)
+	p("- **Rate**: pepsi %s transitions/s, the raw loop %s (pepsi/raw %s).\n", f0(pe.rate), f0(raw.rate), ratio(pe.rate, raw.rate))
+	cores := func(s summary) float64 { return s.cpu1k * s.rate / 1e6 }
+	p("- **The machine**: at those rates pepsi keeps %.2f of the %d cores busy (its %s CPU ms per 1,000 transitions × its rate), the raw loop %.2f; ",
+		cores(pe), numCPU(), f1(pe.cpu1k), cores(raw))
+	p("what is left of the cores is waiting: the commits' WAL flushes (`synchronous_commit = on`) and the hand-offs between statements.\n")
+	p("- **PostgreSQL**: %s CPU ms per 1,000 transitions for pepsi against %s for the raw loop", f1(pe.pg1k), f1(raw.pg1k))
+	pc, rc := r.stmts["pepsi"], r.stmts["raw"]
+	if pc.Transitions > 0 && rc.Transitions > 0 {
+		p(" (%.3f against %.3f statements per transition: pepsi sends a claim for up to %d messages, then per worker batch of up to %d a SELECT of the payloads and the outcomes' UPDATE; the raw loop a claim and an UPDATE per up to %d)",
+			float64(pc.Calls)/float64(pc.Transitions), float64(rc.Calls)/float64(rc.Transitions),
+			b.pepsiWorkers*b.pepsiQueueLimit, b.pepsiQueueLimit, b.rawBatch)
+	}
+	p(".\n")
+	p("- **Outside PostgreSQL**: the dispatcher %s and the stage workers %s CPU ms per 1,000 transitions (claims, pipes, status lines, the SDK), against the raw loop's %s in its one process.\n",
+		f1(pe.self1k), f1(pe.child1k), f1(raw.self1k))
+	p("- **WAL**: %s bytes per transition for pepsi, %s for the raw loop.\n", f0(pe.wal), f0(raw.wal))
+	if ps := r.pepsiW1; ps.StageRuns > 0 {
+		p("- **Batches**: in its last W1 run pepsi claimed %.0f messages per claim statement; its workers were busy %.2f ms per message as the dispatcher sees it, so a worker's batch of %d takes about %.0f ms from hand-over to status line, most of it its commit.\n",
+			float64(ps.StageRuns)/math.Max(float64(ps.Claims), 1), float64(ps.BusyMS)/math.Max(float64(ps.Processed), 1),
+			b.pepsiQueueLimit, float64(b.pepsiQueueLimit)*float64(ps.BusyMS)/math.Max(float64(ps.Processed), 1))
+	}
+	p("\n")
+}
+
+// howToRead is the newcomer's guide: what the tables say and which system suits what, by the
+// figures of this run.
+func (b *bench) howToRead(w *strings.Builder) {
+	r := &b.res
+	p := func(format string, args ...any) { fmt.Fprintf(w, format, args...) }
+	rate := func(wl, sys string) string { return f0(r.summary(wl, sys).rate) }
+	lat := func(rt int, sys string) string {
+		l := r.latency("W3", rt, sys)
+		if l == nil || len(l.Done) == 0 {
+			return "–"
+		}
+		return f2(pct(l.Done, 50)) + " / " + f2(pct(l.Done, 99)) + " ms"
+	}
+	p("## How to read this\n\n")
+	p("Every system ran on the same private PostgreSQL, one at a time, on the same %d cores, with a no-op job: the figures are ", numCPU())
+	p("the queue's own cost, the ceiling a real job's work comes on top of. *Transitions/s* (higher is better) counts one message through ")
+	p("one stage; *CPU ms per 1,000 transitions* (lower is better) is what the queue costs the machine, PostgreSQL included; ")
+	p("*done p50 / p99* is how long a message waits from its insert's commit to its last stage's commit, for half and for all but one in a hundred. ")
+	p("Quick runs (`-quick`) and runs on a busy machine (see *other load*) are indicative only.\n\n")
+	p("- **pepsi-dispatch**: pipelines of stages run by separate programs (any language, over pipes), where an advance is atomic with the stage's outcome; ")
+	p("W1 %s/s, W4 (3 stages) %s messages/s, W3 at 20/s %s.\n", rate("W1", "pepsi"), f0(r.summary("W4", "pepsi").msgRate), lat(20, "pepsi"))
+	p("- **River (tuned)**: jobs inside a Go program, enqueued in the application's own transaction; W1 %s/s, W3 at 20/s %s. ", rate("W1", "river"), lat(20, "river"))
+	p("With its defaults (River (defaults)) its fetch cooldown caps it near 1,000 jobs/s: tune `FetchCooldown` and `MaxWorkers` for a backlog.\n")
+	p("- **Graphile Worker (tuned)**: jobs inside a Node.js program, with `localQueue` and batched completion on; W1 %s/s, W3 at 20/s %s. ",
+		rate("W1", "graphile"), lat(20, "graphile"))
+	p("With its defaults (one job at a time per process) it runs %s/s: set `concurrentJobs` before anything else.\n", rate("W1", "graphile-default"))
+	p("- **PgQ**: a stream of events read in batches, one batch per tick of `pgqd`; W1 %s/s at little CPU per event, but W3 at 20/s %s: ", rate("W1", "pgq"), lat(20, "pgq"))
+	p("a choice when seconds of delay are fine (replication, change feeds), not for jobs someone waits for.\n")
+	p("- **raw loop**: not a product, the floor: the same SQL as pepsi with nothing around it. The distance between it and pepsi is what pepsi's architecture costs (see *Where pepsi's time goes*).\n\n")
+}
+
+// peerSettings are the report's settings of Graphile Worker and PgQ.
+func (b *bench) peerSettings(w *strings.Builder) {
+	p := func(format string, args ...any) { fmt.Fprintf(w, format, args...) }
+	p("- **Graphile Worker (tuned)**: %s, as its performance page tunes it (worker.graphile.org/docs/performance): ",
+		orText(b.graphile.version, "Graphile Worker"))
+	p("`localQueue.size = %d` (jobs fetched and locked in batches), `completeJobBatchDelay = 0` and `failJobBatchDelay = 0` ", b.graphileLocalQueue)
+	p("(completions batched), `concurrentJobs = %d` and `maxPoolSize = concurrentJobs + 1` in each of %d runner processes ",
+		b.graphileConcurrency, b.graphileProcesses)
+	p("(`bench/pipeline/graphile/run.mjs`, a parent Node process that forks them); a no-op task (`noop`), which in W4 adds ")
+	p("the next stage's job with `helpers.addJob` (its own statement, as River's `Work` does). The processes and concurrency are what a sweep ")
+	p("on this machine chose: %s. **Graphile Worker (defaults)**: one runner process with its defaults (`concurrentJobs = 1`, ", graphileSweepNote)
+	p("`pollInterval` 2 s, no local queue, no batched completion). The producer enqueues with `graphile_worker.add_jobs` (a backlog, ")
+	p("one call) and `graphile_worker.add_job` (single messages); done is the last stage's job's deletion (Graphile deletes a job ")
+	p("when it completes). Node.js is Debian's or NodeSource's `nodejs` package, whatever `node` is on the PATH; graphile-worker ")
+	p("0.18 declares Node ≥ 22.18 but runs on this Node (the report's software line names it); dependencies from the lock file with `npm ci`.\n")
+	p("- **PgQ**: %s, with its defaults: pgqd's `ticker_period = 1` s, the queue's `ticker_max_count = 500`, ",
+		orText(b.res.pgqVersion, "PgQ"))
+	p("`ticker_max_lag = 3` s, so a batch closes when 500 events have gathered or 3 s have passed. One consumer (`pipeline sut pgq`, ")
+	p("pgqd its child process) takes each batch in one transaction: `pgq.next_batch`, `pgq.get_batch_events`, a count into a table ")
+	p("of the benchmark's, `pgq.finish_batch`, commit; when there is no batch it asks again after %s. In W3 that transaction also ", pgqIdleDelay)
+	p("sends the batch's messages with `NOTIFY bench_done`. PgQ writes an event once, at its insert (the producer's, outside the ")
+	p("measured interval), and keeps no state per event: its consumer writes almost nothing (WAL ≈ 0 per transition). W1, W2 and W3 only: ")
+	p("PgQ is a stream, not a job queue, so the stage workloads (W4) and the big table of done jobs (W5) have no meaning for it.\n")
+}
+
+// graphileSweepNote is what the sweep of Graphile Worker's processes and concurrency found.
+const graphileSweepNote = "W1 with 30,000 jobs, 2 runs each in two rounds (4 runs a setting, each beside pepsi in the same " +
+	"invocation, on the shared machine at 4-82 % other load), processes × concurrentJobs: 1 × 24: median 16.1k/s " +
+	"(best 18.4k), 57-71 CPU ms per 1,000; 1 × 64: 12.4k (17.8k), 59-70; 2 × 8: 11.9k (16.0k), 70-89; 2 × 24: 11.5k " +
+	"(15.2k), 74-80; 2 × 64: 11.0k (13.9k), 60-84; 4 × 8: 9.1k (11.8k), 93-99; 3 × 16: 8.5k (13.1k), 80-93; 4 × 24: " +
+	"7.6k (8.5k), 81-135. One process of 24 did best and cheapest: a Node process keeps about one core busy, and on 2 " +
+	"cores a second one only takes CPU from PostgreSQL, while every process adds its own fetches and connections"
