@@ -77,6 +77,7 @@ type DispatchConfig struct {
 	ConfigFile        string        // passed to workers as -c; "" passes nothing
 	User              string        // account to drop to when started as root
 	MetricsListen     string        // host:port of the /metrics endpoint; "" = off
+	ConsoleToken      string        // the web console's credential (CONSOLE_TOKEN_FILE); nil = read-only; never logged
 	Retention         time.Duration // delete done rows older than this; 0 = keep
 
 	FaninBatch    int           // inbox rows per flush statement
@@ -402,6 +403,8 @@ func (d *DispatchConfig) set(e iniEntry) error {
 	case "METRICS_LISTEN":
 		err = checkListen(e.Value)
 		d.MetricsListen = e.Value
+	case "CONSOLE_TOKEN_FILE":
+		d.ConsoleToken, err = readConsoleToken(e.Value)
 	default:
 		err = errors.New("unknown key in [pepsi-dispatch]")
 	}

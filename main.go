@@ -280,6 +280,9 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 		notify: listener.Notify, sigs: sigs, hups: hups, metrics: metrics, notifier: sd, retain: retain})
 	if metrics != nil {
 		metrics.publish(c.snapshot())
+		if err := metrics.startConsole(cctx, cfg.Dispatch.ConsoleToken); err != nil {
+			return err
+		}
 		metrics.start()
 	}
 	if err := c.faninStartup(); err != nil {

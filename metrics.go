@@ -18,6 +18,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -35,6 +36,7 @@ type metricsSnapshot struct {
 	fanin    faninCounters
 	workers  int
 	inflight int
+	config   []*StageConfig // the stage table as the coordinator runs it, sorted by name
 }
 
 type stageSnapshot struct {
@@ -53,6 +55,11 @@ type metricsServer struct {
 	log     *slog.Logger
 	version string
 	start   func() // starts serving; set by serve, called once the pool exists
+	console *console // the web console under /, nil when off
+
+	mu     sync.Mutex     // guards closed and the Add calls of wg
+	closed bool           // serve has ended: nothing more may start
+	wg     sync.WaitGroup // the console's sampler
 }
 
 // publish is called by the coordinator with a fresh snapshot.
@@ -85,6 +92,11 @@ func (c *coordinator) snapshot() *metricsSnapshot {
 		s.stages = append(s.stages, ss)
 	}
 	slices.SortFunc(s.stages, func(a, b stageSnapshot) int { return strings.Compare(a.name, b.name) })
+	for _, p := range c.pools {
+		sc := *p.cfg // a copy: the console reads it on another goroutine
+		s.config = append(s.config, &sc)
+	}
+	slices.SortFunc(s.config, func(a, b *StageConfig) int { return strings.Compare(a.Name, b.Name) })
 	return s
 }
 
@@ -101,6 +113,9 @@ func listenMetrics(addr string) (net.Listener, error) {
 func (m *metricsServer) serve(ctx context.Context, ln net.Listener) {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /metrics", m.handle)
+	if m.console != nil {
+		m.console.routes(mux)
+	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	done := make(chan struct{})
 	go func() {
@@ -114,6 +129,10 @@ func (m *metricsServer) serve(ctx context.Context, ln net.Listener) {
 		m.log.Error("metrics endpoint stopped", "err", err)
 	}
 	<-done
+	m.mu.Lock()
+	m.closed = true
+	m.mu.Unlock()
+	m.wg.Wait()
 }
 
 func (m *metricsServer) handle(w http.ResponseWriter, r *http.Request) {
