@@ -54,7 +54,7 @@ type metricsServer struct {
 	locks   *lockServer // nil without [poolcounter]
 	log     *slog.Logger
 	version string
-	start   func() // starts serving; set by serve, called once the pool exists
+	start   func()   // starts serving; set by serve, called once the pool exists
 	console *console // the web console under /, nil when off
 
 	mu     sync.Mutex     // guards closed and the Add calls of wg
