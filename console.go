@@ -58,13 +58,25 @@ func newConsole(db *sql.DB, snap func() *metricsSnapshot, auth *consoleAuth, log
 		"chart": chartSVG,
 		"age":   fmtAge,
 		"json":  prettyJSON,
-		"qs":    func(v url.Values) string { return v.Encode() },
+		// searchURL is a search page's address: its query is built by url.Values.Encode, so
+		// it is marked safe for the href it fills, not escaped a second time.
+		"searchURL": func(v url.Values) template.URL { return template.URL("/search?" + v.Encode()) },
 	}).ParseFS(consoleFiles, "console/*.html")
 	if err != nil {
 		return nil, fmt.Errorf("parse console templates: %w", err)
 	}
 	return &console{db: db, snap: snap, log: log, version: version, tmpl: t, auth: auth,
 		samples: newSampler(snap, db, log)}, nil
+}
+
+// withConsoleHeaders gives every response of the listener the console's security headers,
+// the mux's own 404 and 405 answers included.
+func withConsoleHeaders(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Security-Policy", consoleCSP)
+		w.Header().Set("X-Content-Type-Options", "nosniff")
+		h.ServeHTTP(w, r)
+	})
 }
 
 // routes adds the console's handlers to mux.

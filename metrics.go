@@ -116,7 +116,11 @@ func (m *metricsServer) serve(ctx context.Context, ln net.Listener) {
 	if m.console != nil {
 		m.console.routes(mux)
 	}
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	var h http.Handler = mux
+	if m.console != nil {
+		h = withConsoleHeaders(mux)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
