@@ -129,9 +129,23 @@ func (c *console) action(w http.ResponseWriter, r *http.Request) {
 	c.runAction(w, r)
 }
 
-// readConsoleToken reads CONSOLE_TOKEN_FILE at load time (before the privilege drop, so the
-// file may be readable by root alone). The file must not be readable by others, and holds one
-// line of at least 16 characters.
+// loadConsoleToken reads CONSOLE_TOKEN_FILE once, at start-up before the privilege drop, so
+// the file may be readable by root alone (a reload, as the service account, keeps the token
+// read at start). A mistake is a configuration error at the key's line.
+func (cfg *Config) loadConsoleToken() error {
+	if cfg.Dispatch.ConsoleTokenFile == "" {
+		return nil
+	}
+	tok, err := readConsoleToken(cfg.Dispatch.ConsoleTokenFile)
+	if err != nil {
+		return &configError{cfg.Dispatch.consoleTokenAt, "CONSOLE_TOKEN_FILE", err.Error()}
+	}
+	cfg.consoleToken = tok
+	return nil
+}
+
+// readConsoleToken reads a credential file: not readable by others, one line of at least 16
+// characters.
 func readConsoleToken(path string) (string, error) {
 	fi, err := os.Stat(path)
 	if err != nil {

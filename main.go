@@ -145,6 +145,9 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
 		}
 		defer metricsLn.Close()
 	}
+	if err := cfg.loadConsoleToken(); err != nil {
+		return err
+	}
 	if err := dropPrivileges(cfg, log); err != nil {
 		return err
 	}
@@ -280,7 +283,7 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 		notify: listener.Notify, sigs: sigs, hups: hups, metrics: metrics, notifier: sd, retain: retain})
 	if metrics != nil {
 		metrics.publish(c.snapshot())
-		if err := metrics.startConsole(cctx, cfg.Dispatch.ConsoleToken); err != nil {
+		if err := metrics.startConsole(cctx, cfg.consoleToken); err != nil {
 			return err
 		}
 		metrics.start()
