@@ -5,12 +5,15 @@
 package main
 
 import (
+	"errors"
 	"io"
 	"log/slog"
 	"net/http"
 	"net/http/cookiejar"
 	"net/http/httptest"
 	"net/url"
+	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -236,4 +239,46 @@ func TestConsoleWriteRefusals(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestConsoleTokenFile: each mistake in CONSOLE_TOKEN_FILE is a configuration error at the
+// key's line (exit 2), and the credential is never part of a message.
+func TestConsoleTokenFile(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, content string, mode os.FileMode) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(content), mode); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(p, mode); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	for _, tc := range []struct {
+		name, path, want string
+	}{
+		{"missing", filepath.Join(dir, "nope"), "read the console credential"},
+		{"world-readable", write("open", testConsoleToken, 0o644), "readable by everyone"},
+		{"short", write("short", "tooshort", 0o600), "at least 16 characters"},
+		{"two lines", write("two", testConsoleToken+"\nsecond-line-here", 0o600), "one line"},
+	} {
+		cfg := &Config{Dispatch: DispatchConfig{ConsoleTokenFile: tc.path, consoleTokenAt: "pepsi.conf:7"}}
+		err := cfg.loadConsoleToken()
+		var ce *configError
+		if !errors.As(err, &ce) || ce.Where != "pepsi.conf:7" || ce.Key != "CONSOLE_TOKEN_FILE" || !strings.Contains(ce.Msg, tc.want) {
+			t.Errorf("%s: got %v, want a configError at pepsi.conf:7 about %q", tc.name, err, tc.want)
+		}
+		if err != nil && strings.Contains(err.Error(), testConsoleToken) {
+			t.Errorf("%s: the error shows the credential: %v", tc.name, err)
+		}
+	}
+	cfg := &Config{Dispatch: DispatchConfig{ConsoleTokenFile: write("good", testConsoleToken+"\n", 0o600)}}
+	if err := cfg.loadConsoleToken(); err != nil || cfg.consoleToken != testConsoleToken {
+		t.Fatalf("a good file: %v, token %q", err, cfg.consoleToken)
+	}
+	if _, err := loadConfig(write("pepsi.conf", "[database]\nDSN = dbname=x\n[pepsi-dispatch]\nCONSOLE_TOKEN_FILE = relative/path\n", 0o644)); err == nil ||
+		!strings.Contains(err.Error(), "absolute path") {
+		t.Fatalf("a relative CONSOLE_TOKEN_FILE: %v, want a refusal", err)
+	}
 }
