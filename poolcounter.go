@@ -38,12 +38,6 @@ import (
 )
 
 const (
-	// Keepalive on accepted connections, so a holder whose host died without a reset frees its
-	// locks after Idle + Interval*Count (35 s) instead of never (spec §16).
-	poolCounterKeepAliveIdle     = 15 * time.Second
-	poolCounterKeepAliveInterval = 5 * time.Second
-	poolCounterKeepAliveCount    = 4
-
 	// Accept back-off after a failed accept (EMFILE...), doubled per failure up to the max,
 	// like net/http's Serve, instead of the reference's busy loop.
 	poolCounterAcceptBackoffMin = 5 * time.Millisecond
@@ -119,19 +113,17 @@ func (s *lockServer) clock() time.Time {
 // Listening, accepting, shutdown
 
 // listenPoolCounter opens the listening socket for "host:port" (address reuse, large backlog,
-// TCP keepalive on accepted conns).
+// and TCP keepalive on accepted conns with the spread, patient schedule of
+// poolcounter_keepalive.go).
 //
 // Go sets SO_REUSEADDR on listening sockets and uses the kernel's somaxconn as the backlog (the
 // kernel caps any larger value to it), against the reference's missing SO_REUSEADDR and
 // backlog of 20; SO_REUSEADDR is set again explicitly so the intent does not rest on a default.
 func listenPoolCounter(addr string) (net.Listener, error) {
 	lc := net.ListenConfig{
-		KeepAliveConfig: net.KeepAliveConfig{
-			Enable:   true,
-			Idle:     poolCounterKeepAliveIdle,
-			Interval: poolCounterKeepAliveInterval,
-			Count:    poolCounterKeepAliveCount,
-		},
+		// No keepalive from Go's listener (its default is 15 s for every connection, in step):
+		// pcListener gives each accepted connection its own schedule.
+		KeepAlive: -1,
 		Control: func(network, address string, rc syscall.RawConn) error {
 			var serr error
 			err := rc.Control(func(fd uintptr) {
@@ -147,7 +139,7 @@ func listenPoolCounter(addr string) (net.Listener, error) {
 	if err != nil {
 		return nil, fmt.Errorf("poolcounter listen %s: %w", addr, err)
 	}
-	return ln, nil
+	return &pcListener{TCPListener: ln.(*net.TCPListener), keepAlive: poolCounterKeepAlive()}, nil
 }
 
 // Serve accepts until ctx is cancelled, then closes every connection and returns nil after all

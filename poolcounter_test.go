@@ -196,7 +196,7 @@ func TestPoolCounterListen(t *testing.T) {
 		}
 		return v
 	}
-	rc, err := ln.(*net.TCPListener).SyscallConn()
+	rc, err := ln.(*pcListener).SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -232,12 +232,7 @@ func TestPoolCounterListen(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if getsockopt(crc, syscall.SOL_SOCKET, syscall.SO_KEEPALIVE) == 0 {
-		t.Error("SO_KEEPALIVE not set on an accepted connection")
-	}
-	if got := getsockopt(crc, syscall.IPPROTO_TCP, syscall.TCP_KEEPINTVL); got != int(poolCounterKeepAliveInterval/time.Second) {
-		t.Errorf("TCP_KEEPINTVL = %d", got)
-	}
+	pcCheckKeepAlive(t, crc) // on, with a schedule drawn from the daemon's policy
 	// Address reuse: with a connection of the old socket still open (the server side closes
 	// first and sits in TIME_WAIT), a new listener binds the same address at once.
 	addr := ln.Addr().String()
