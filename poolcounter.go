@@ -1,5 +1,5 @@
-// poolcounter.go: the PoolCounter-compatible lock service's server (issue 5,
-// ../shared/spec/poolcounter.md): the lockServer type that the other poolcounter_*.go files
+// poolcounter.go: the PoolCounter-compatible lock service's server (issue 5; how it works and
+// why: doc/design/lockservice.md): the lockServer type that the other poolcounter_*.go files
 // hang their methods on, the listening socket, the accept loop, the waiter timer's goroutine,
 // shutdown, and the log rate limiter.
 //

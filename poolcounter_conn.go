@@ -2,7 +2,8 @@
 // command under lockServer.mu, write the replies) and its bounded output queue, written so
 // that a client that stops reading stalls nobody but itself.
 //
-// Owns: lockConn, serveConn and handleLine, and the write path (queue, flush, drain).
+// Owns: lockConn, serveConn and handleLine, and the write path (queue, flush, drain); why it is
+// written this way: doc/design/lockservice.md, Concurrency and output.
 // Must not touch: the lock table's internals (it calls acquire, release and disconnect).
 
 package main

@@ -1,6 +1,6 @@
-// poolcounter_protocol.go: the PoolCounter line protocol on the wire (spec §2-§4): the reply
-// words, cutting a byte stream into bounded request lines, and decoding one line into a
-// request the way poolcounterd does.
+// poolcounter_protocol.go: the PoolCounter line protocol on the wire (doc/design/lockservice.md,
+// Framing and Requests): the reply words, cutting a byte stream into bounded request lines,
+// and decoding one line into a request the way poolcounterd does.
 //
 // Owns: pcLineFramer, pcRequest and parsePoolCounterLine, the reply constants.
 // Must not touch: the lock table, connections or statistics; everything here is a pure
@@ -15,7 +15,7 @@ import "bytes"
 // line here gets "ERROR LINE_TOO_LONG" instead of being silently mangled.
 const poolCounterMaxLineDefault = 1024
 
-// Replies, exact bytes of spec §4 plus our two additions.
+// Replies: poolcounterd's exact bytes, plus our ERROR LINE_TOO_LONG and the newline of WRONG_STAT.
 const (
 	pcLocked          = "LOCKED\n"
 	pcDone            = "DONE\n"
@@ -27,12 +27,12 @@ const (
 	pcBadCommand      = "ERROR BAD_COMMAND\n"
 	pcBadSyntax       = "ERROR BAD_SYNTAX\n"
 	pcWaitForResponse = "ERROR WAIT_FOR_RESPONSE\n"
-	pcWrongStat       = "ERROR WRONG_STAT\n" // the reference omits the "\n" (defect, §9)
+	pcWrongStat       = "ERROR WRONG_STAT\n" // the reference omits the "\n", hanging line readers
 	pcLineTooLong     = "ERROR LINE_TOO_LONG\n"
 )
 
 // ---------------------------------------------------------------------------------------------
-// Request parsing (spec §3)
+// Request parsing (doc/design/lockservice.md, Requests)
 
 type pcOp uint8
 

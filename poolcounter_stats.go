@@ -1,6 +1,6 @@
-// poolcounter_stats.go: the lock service's statistics (spec §8, §9): the counters, the STATS
-// replies (FULL, UPTIME, one counter, our STATS KEY) in poolcounterd's exact format, and the
-// same figures on /metrics.
+// poolcounter_stats.go: the lock service's statistics (doc/design/lockservice.md, Statistics):
+// the counters, the STATS replies (FULL, UPTIME, one counter, our STATS KEY) in poolcounterd's
+// exact format, and the same figures on /metrics.
 //
 // Owns: lockStats, the one table of counters (pcCounters) that drives STATS FULL, STATS
 // <name> and /metrics, and the duration format exporters parse.
@@ -15,7 +15,7 @@ import (
 	"time"
 )
 
-// lockStats is the reference's statistics block (stats.list, spec §8) plus our own counters.
+// lockStats is the reference's statistics block (its stats.list) plus our own counters.
 // Guarded by lockServer.mu. Gauges are kept exact: every change of the table adjusts them in
 // the same critical section (no drift, unlike the reference's RELEASE-while-waiting).
 type lockStats struct {
@@ -119,7 +119,7 @@ func (s *lockServer) keyInfo(b []byte, key []byte, now time.Time) []byte {
 }
 
 // ---------------------------------------------------------------------------------------------
-// STATS replies (spec §9)
+// STATS replies (doc/design/lockservice.md, Statistics)
 
 func (s *lockServer) appendStats(b []byte, item []byte, now time.Time) []byte {
 	switch {

@@ -1,6 +1,7 @@
-// poolcounter_table.go: the lock table of the lock service (spec §5, §6): keys with their
-// holders and FIFO waiter queues, each connection's stack of lock slots, the waiter deadline
-// heap, and the operations on them (ACQ4ME/ACQ4ANY, RELEASE, timeout, disconnect).
+// poolcounter_table.go: the lock table of the lock service (doc/design/lockservice.md, The lock
+// table): keys with their holders and FIFO waiter queues, each connection's stack of lock
+// slots, the waiter deadline heap, and the operations on them (ACQ4ME/ACQ4ANY, RELEASE,
+// timeout, disconnect).
 //
 // Owns: lockSlot, lockKey, lockWaiterHeap and the lockServer methods that change the table.
 // Must not touch: sockets. Every function here runs with lockServer.mu held, does no I/O and
@@ -14,7 +15,7 @@ import (
 )
 
 // poolCounterSlotsPerConn is MAX_LOCKS_PER_CLIENT of the reference: the 5th ACQ on a
-// connection gets LOCK_HELD. Kept at 4 for parity (spec §15.6).
+// connection gets LOCK_HELD. Kept at 4 for parity (lockservice.md, Slots per connection).
 const poolCounterSlotsPerConn = 4
 
 type lockSlotState uint8
@@ -73,7 +74,7 @@ func (l *lockSlotList) remove(sl *lockSlot) {
 }
 
 // lockKey is the state of one key; it exists while someone holds or waits for it. Limits are
-// not stored: every request is judged by its own workers/maxqueue (spec §5).
+// not stored: every request is judged by its own workers/maxqueue (lockservice.md, The lock table).
 type lockKey struct {
 	name    string
 	holders lockSlotList // in acquisition order
@@ -111,7 +112,7 @@ func (h *lockWaiterHeap) Pop() any {
 	return sl
 }
 
-// acquire runs ACQ4ME/ACQ4ANY for c with the reference's decision order (spec §3, §6.1) and
+// acquire runs ACQ4ME/ACQ4ANY for c with the reference's decision order (lockservice.md, Acquire) and
 // returns the immediate reply, or "" when the request now waits. Called with s.mu held.
 func (s *lockServer) acquire(c *lockConn, req *pcRequest, now time.Time) string {
 	if c.n >= poolCounterSlotsPerConn {
@@ -182,7 +183,7 @@ func (s *lockServer) release(c *lockConn, now time.Time) string {
 		s.endHold(sl, now, true)
 	} else {
 		// Only the newest slot can be waiting: RELEASE just cancels that wait. The reference
-		// ran the full release path here (bogus DONEs to ANY waiters, gauge leak, §6.5).
+		// ran the full release path here (bogus DONEs to ANY waiters, gauge leak).
 		s.dropWaiter(sl)
 	}
 	s.stats.totalReleases++
@@ -191,7 +192,7 @@ func (s *lockServer) release(c *lockConn, now time.Time) string {
 
 // endHold ends a held slot. With broadcast (a RELEASE) every ACQ4ANY waiter of the key is
 // answered DONE first; then the freed slot goes to the oldest ACQ4ME waiter, else the oldest
-// ACQ4ANY waiter (only possible on disconnect), which gets LOCKED (spec §6.2, §6.3).
+// ACQ4ANY waiter (only possible on disconnect), which gets LOCKED (lockservice.md, Release, Disconnect).
 func (s *lockServer) endHold(sl *lockSlot, now time.Time, broadcast bool) {
 	k := sl.key
 	k.holders.remove(sl)
@@ -229,7 +230,7 @@ func (s *lockServer) endHold(sl *lockSlot, now time.Time, broadcast bool) {
 	s.stats.waitingWorkers--
 	s.stats.waitingTime += now.Sub(next.since)
 	// The new hold starts now; the reference kept the wait start, so its processing time
-	// counted the wait too (§8).
+	// counted the wait too.
 	next.state, next.since = slotHeld, now
 	k.holders.push(next)
 	s.stats.totalAcquired++
@@ -292,7 +293,7 @@ func (s *lockServer) expireWaiters(now time.Time) {
 }
 
 // disconnect frees everything c held or waited for, newest first and without the DONE
-// broadcast: a freed slot goes to the next waiter as LOCKED (spec §6.3). Called with s.mu held.
+// broadcast: a freed slot goes to the next waiter as LOCKED (lockservice.md, Disconnect). Called with s.mu held.
 func (s *lockServer) disconnect(c *lockConn, now time.Time) {
 	for c.n > 0 {
 		sl := &c.slots[c.n-1]

@@ -1,7 +1,7 @@
 // poolcounter_transcript_test.go: the lock service's behaviour as transcripts.
 //
 // Owns: the transcript table (client, line sent, reply expected) that covers every rule of
-// ../shared/spec/poolcounter.md, its runner, the servers under test (ours on 127.0.0.1:0 and
+// doc/design/lockservice.md, its runner, the servers under test (ours on 127.0.0.1:0 and
 // Debian's poolcounterd 1.1.3 on a listener handed over as fd 0), and the side-by-side
 // comparison. What transcripts cannot reach is tested beside each file (poolcounter_*_test.go:
 // time statistics, accept back-off, slow clients, shutdown, framing fuzz). Needs no PostgreSQL.
@@ -101,13 +101,13 @@ func pcFullRE(counters ...int) string {
 	return b.String()
 }
 
-// pcTranscripts covers the spec rule by rule; section numbers refer to poolcounter.md.
+// pcTranscripts covers doc/design/lockservice.md rule by rule; each comment names its section.
 func pcTranscripts() []pcTranscript {
 	long1023 := "ACQ4ME " + strings.Repeat("k", 1023-len("ACQ4ME ")-len(" 1 1 0")) + " 1 1 0"
 	long1024 := "ACQ4ME " + strings.Repeat("k", 1024-len("ACQ4ME ")-len(" 1 1 0")) + " 1 1 0"
 	long5000 := "ACQ4ME " + strings.Repeat("x", 5000) + " 1 1 0"
 	return []pcTranscript{
-		{name: "commands", steps: []pcStep{ // §3 command recognition, §2 CR
+		{name: "commands", steps: []pcStep{ // Requests: command recognition; Framing: CR
 			acq(pcA, "GARBAGE", "ERROR BAD_COMMAND"),
 			acq(pcA, "acq4me k 1 1 0", "ERROR BAD_COMMAND"),
 			acq(pcA, "ACQ4ME", "ERROR BAD_COMMAND"),
@@ -127,7 +127,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcA, "RELEASE\r", "RELEASED"),
 			acq(pcA, "STATS release_mismatch", "release_mismatch: 3"),
 		}},
-		{name: "syntax", steps: []pcStep{ // §3 arguments: atou, strtok, opaque keys
+		{name: "syntax", steps: []pcStep{ // Requests: arguments: atou, strtok, opaque keys
 			acq(pcA, "ACQ4ME ", "ERROR BAD_SYNTAX"),
 			acq(pcA, "ACQ4ME l", "ERROR BAD_SYNTAX"),
 			acq(pcA, "ACQ4ANY l", "ERROR BAD_SYNTAX"),
@@ -156,7 +156,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcD, "ACQ4ME a%20b 1 2 0", "TIMEOUT"),
 			acq(pcD, "STATS hashtable_entries", "hashtable_entries: 4"),
 		}},
-		{name: "limits-worked-example", steps: []pcStep{ // §7, §6.1 per-request limits
+		{name: "limits-worked-example", steps: []pcStep{ // Acquire: per-request limits
 			acq(pcA, "ACQ4ME k 2 3 5", "LOCKED"),
 			acq(pcB, "ACQ4ME k 2 3 5", "LOCKED"),
 			queued(pcC, "ACQ4ME k 2 3 5"),
@@ -172,7 +172,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcC, "RELEASE", "RELEASED"),
 			acq(pcD, "RELEASE", "RELEASED"),
 		}},
-		{name: "queue-checked-before-workers", steps: []pcStep{ // §6.1 steps 1-3
+		{name: "queue-checked-before-workers", steps: []pcStep{ // Acquire: the decision order
 			acq(pcA, "ACQ4ME k 2 1 0", "LOCKED"),
 			acq(pcB, "ACQ4ME k 2 1 0", "QUEUE_FULL"),
 			acq(pcB, "ACQ4ANY k 2 2 0", "LOCKED"),
@@ -185,7 +185,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcD, "STATS waiting_workers", "waiting_workers: 0"),
 			acq(pcD, "STATS total_acquired", "total_acquired: 3"),
 		}},
-		{name: "me-waiters-fifo", steps: []pcStep{ // §6.2 FIFO, one slot one waiter
+		{name: "me-waiters-fifo", steps: []pcStep{ // Release: FIFO, one slot one waiter
 			acq(pcA, "ACQ4ME k 1 10 5", "LOCKED"),
 			queued(pcB, "ACQ4ME k 1 10 5"),
 			queued(pcC, "ACQ4ME k 1 10 5"),
@@ -198,7 +198,7 @@ func pcTranscripts() []pcTranscript {
 			expect(pcD, "LOCKED"),
 			acq(pcD, "RELEASE", "RELEASED"),
 		}},
-		{name: "any-waiters-done", steps: []pcStep{ // §6.2 step 1, DONE consumes nothing
+		{name: "any-waiters-done", steps: []pcStep{ // Release: DONE first, DONE consumes nothing
 			acq(pcA, "ACQ4ME k 1 10 5", "LOCKED"),
 			queued(pcB, "ACQ4ANY k 1 10 5"),
 			queued(pcC, "ACQ4ANY k 1 10 5"),
@@ -215,7 +215,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcB, "ACQ4ME k 1 10 5", "LOCKED"),
 			acq(pcB, "STATS processing_workers", "processing_workers: 1"),
 		}},
-		{name: "done-while-others-hold", steps: []pcStep{ // §6.2 (E13)
+		{name: "done-while-others-hold", steps: []pcStep{ // Release: DONE although others still hold
 			acq(pcA, "ACQ4ME k 2 10 5", "LOCKED"),
 			acq(pcB, "ACQ4ME k 2 10 5", "LOCKED"),
 			queued(pcC, "ACQ4ANY k 2 10 5"),
@@ -224,7 +224,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcC, "STATS processing_workers", "processing_workers: 1"),
 			acq(pcB, "RELEASE", "RELEASED"),
 		}},
-		{name: "me-before-older-any", steps: []pcStep{ // §6.2 priority
+		{name: "me-before-older-any", steps: []pcStep{ // Release: ME waiters before older ANY waiters
 			acq(pcA, "ACQ4ANY k 1 10 5", "LOCKED"),
 			queued(pcB, "ACQ4ANY k 1 10 5"),
 			queued(pcC, "ACQ4ME k 1 10 5"),
@@ -233,7 +233,7 @@ func pcTranscripts() []pcTranscript {
 			expect(pcC, "LOCKED"),
 			acq(pcC, "RELEASE", "RELEASED"),
 		}},
-		{name: "disconnect-hands-any-locked", steps: []pcStep{ // §6.3: LOCKED, not DONE
+		{name: "disconnect-hands-any-locked", steps: []pcStep{ // Disconnect: LOCKED, not DONE
 			acq(pcA, "ACQ4ME k 1 10 5", "LOCKED"),
 			queued(pcB, "ACQ4ANY k 1 10 5"),
 			queued(pcC, "ACQ4ANY k 1 10 5"),
@@ -242,7 +242,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcB, "RELEASE", "RELEASED"),
 			expect(pcC, "DONE"),
 		}},
-		{name: "disconnect-prefers-me", steps: []pcStep{ // §6.3 ME waiter first, then ANY
+		{name: "disconnect-prefers-me", steps: []pcStep{ // Disconnect: ME waiter first, then ANY
 			acq(pcA, "ACQ4ME k 1 10 5", "LOCKED"),
 			queued(pcB, "ACQ4ANY k 1 10 5"),
 			queued(pcC, "ACQ4ME k 1 10 5"),
@@ -252,7 +252,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcC, "RELEASE", "RELEASED"),
 			expect(pcB, "DONE"),
 		}},
-		{name: "disconnect-while-waiting", steps: []pcStep{ // §6.3 wait dropped, holds handed on
+		{name: "disconnect-while-waiting", steps: []pcStep{ // Disconnect: wait dropped, holds handed on
 			acq(pcA, "ACQ4ME k 1 10 5", "LOCKED"),
 			acq(pcB, "ACQ4ME j 1 10 5", "LOCKED"),
 			queued(pcB, "ACQ4ME k 1 10 5"),
@@ -264,7 +264,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcD, "ACQ4ME k 1 1 0", "LOCKED"),
 			acq(pcD, "STATS processing_workers", "processing_workers: 2"),
 		}},
-		{name: "disconnect-frees-every-lock", steps: []pcStep{ // §6.3, Thumbor's 3 locks
+		{name: "disconnect-frees-every-lock", steps: []pcStep{ // Disconnect: Thumbor's 3 locks
 			acq(pcA, "ACQ4ME thumbor-ip 1 10 5", "LOCKED"),
 			acq(pcA, "ACQ4ME thumbor-render 1 10 5", "LOCKED"),
 			acq(pcA, "ACQ4ME thumbor-expensive 1 10 5", "LOCKED"),
@@ -286,7 +286,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcA, "RELEASE", "RELEASED"),
 			acq(pcA, "STATS hashtable_entries", "hashtable_entries: 0"),
 		}},
-		{name: "half-close", steps: []pcStep{ // §6.3 (E12)
+		{name: "half-close", steps: []pcStep{ // Disconnect: a half-close counts
 			acq(pcA, "ACQ4ME k 1 10 5", "LOCKED"),
 			queued(pcB, "ACQ4ME k 1 10 5"),
 			{c: pcA, halfClose: true},
@@ -298,7 +298,7 @@ func pcTranscripts() []pcTranscript {
 			{c: pcD, send: "RELEASE", halfClose: true, want: "RELEASED"},
 			acq(pcE, "STATS hashtable_entries", "hashtable_entries: 0"),
 		}},
-		{name: "four-slots-lifo", steps: []pcStep{ // §6.5 LOCK_HELD, LIFO RELEASE
+		{name: "four-slots-lifo", steps: []pcStep{ // Slots per connection: LOCK_HELD, LIFO RELEASE
 			acq(pcA, "ACQ4ME k1 1 2 0", "LOCKED"),
 			acq(pcA, "ACQ4ME k2 1 2 0", "LOCKED"),
 			acq(pcA, "ACQ4ANY k3 1 2 0", "LOCKED"),
@@ -319,7 +319,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcB, "ACQ4ME k1 1 2 0", "LOCKED"),
 			acq(pcB, "STATS lock_mismatch", "lock_mismatch: 3"),
 		}},
-		{name: "wait-for-response", steps: []pcStep{ // §6.5, §3 check order
+		{name: "wait-for-response", steps: []pcStep{ // Acquire: WAIT_FOR_RESPONSE and the check order
 			acq(pcA, "ACQ4ME k 1 10 5", "LOCKED"),
 			queued(pcB, "ACQ4ME k 1 10 5"),
 			acq(pcB, "ACQ4ME other 1 10 5", "ERROR WAIT_FOR_RESPONSE"),
@@ -362,7 +362,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcA, "RELEASE", "RELEASED"),
 			acq(pcA, "RELEASE", "NOT_LOCKED"),
 		}},
-		{name: "timeouts", steps: []pcStep{ // §6.4, §15.7
+		{name: "timeouts", steps: []pcStep{ // Waiters and timeouts
 			acq(pcA, "ACQ4ME k 1 10 5", "LOCKED"),
 			acq(pcD, "ACQ4ME d 1 10 0", "LOCKED"),
 			queued(pcB, "ACQ4ME k 1 10 1"),
@@ -383,7 +383,7 @@ func pcTranscripts() []pcTranscript {
 			{c: pcB, silent: 1500 * time.Millisecond},
 			acq(pcB, "RELEASE", "RELEASED"),
 		}},
-		{name: "stats-items", steps: []pcStep{ // §9
+		{name: "stats-items", steps: []pcStep{ // Statistics: STATS items
 			{c: pcA, send: "STATS UPTIME", re: `uptime: \d+ days, \d+h \d+m \d+s\n`},
 			{c: pcA, send: "STATS uptime", re: `uptime: \d+ days, \d+h \d+m \d+s\n`},
 			{c: pcA, send: "STATS FULL", re: pcFullRE(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), full: true},
@@ -401,7 +401,7 @@ func pcTranscripts() []pcTranscript {
 			acq(pcA, "STATS release_mismatch", "release_mismatch: 0"),
 			acq(pcA, "STATS processed_count", "processed_count: 0"),
 		}},
-		{name: "stats-counters", steps: []pcStep{ // §8 what moves each counter
+		{name: "stats-counters", steps: []pcStep{ // Statistics: what moves each counter
 			acq(pcA, "ACQ4ME k 1 2 5", "LOCKED"),
 			acq(pcB, "ACQ4ME k 1 1 0", "QUEUE_FULL"),
 			acq(pcB, "ACQ4ME k 1 2 0", "TIMEOUT"),
