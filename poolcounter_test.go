@@ -6,9 +6,12 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"runtime"
@@ -245,5 +248,23 @@ func TestPoolCounterListen(t *testing.T) {
 	ln2.Close()
 	if _, err := listenPoolCounter("127.0.0.1:notaport"); err == nil || !strings.Contains(err.Error(), "poolcounter listen") {
 		t.Errorf("bad address: %v", err)
+	}
+}
+
+// TestPoolCounterBacklogWarning: a somaxconn that caps the backlog below what connection churn
+// needs is named at start (with the fix), a sufficient one is not.
+func TestPoolCounterBacklogWarning(t *testing.T) {
+	for _, tc := range []struct {
+		somaxconn int
+		warn      bool
+	}{{128, true}, {poolCounterBacklogWant - 1, true}, {poolCounterBacklogWant, false}, {4096, false}} {
+		var log bytes.Buffer
+		s := newLockServer(slog.New(slog.NewTextHandler(&log, nil)))
+		s.checkBacklog(tc.somaxconn)
+		got := strings.Contains(log.String(), "net.core.somaxconn caps the lock service's listen backlog") &&
+			strings.Contains(log.String(), fmt.Sprintf("somaxconn=%d", tc.somaxconn))
+		if got != tc.warn {
+			t.Errorf("somaxconn %d: warned %v, want %v; log: %q", tc.somaxconn, got, tc.warn, log.String())
+		}
 	}
 }
