@@ -26,7 +26,8 @@
 --   config           operators (each change notifies config_changed).
 --   stage_stats,
 --   dispatch_stats   the dispatcher only.
---   dispatch_instance the dispatcher only (who holds the single-instance lock, since when).
+--   dispatch_instance the dispatcher only (who holds the single-instance lock, since when);
+--                    its epoch fences the workers of a replaced dispatcher (workqueue_fence).
 
 SET client_min_messages = warning;
 
@@ -158,6 +159,30 @@ CREATE TABLE IF NOT EXISTS dispatch_instance (
     started_at timestamptz
 );
 INSERT INTO dispatch_instance (id) VALUES (1) ON CONFLICT (id) DO NOTHING;
+
+-- The fence of a dispatcher that lost the system to another (failover.go, standby.go). A
+-- worker's session carries its dispatcher's epoch in its application_name ('pepsi-worker KEY
+-- EPOCH'). A dispatcher that takes over bumps the epoch before anything else, so the workers
+-- of the one it replaced (a frozen machine thawed, a partitioned one healed) can no longer
+-- write workqueue at all: the rows they held have been claimed again under new claim tokens,
+-- and their transaction with the stage's outcome commits nothing (SQLSTATE PD001). Cost: one
+-- primary-key read per statement of a worker; every other session is skipped by the WHEN clause.
+CREATE OR REPLACE FUNCTION workqueue_fence() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    mine bigint := split_part(current_setting('application_name'), ' ', 3)::bigint;
+    cur  bigint;
+BEGIN
+    SELECT epoch INTO cur FROM dispatch_instance WHERE id = 1;
+    IF mine IS DISTINCT FROM cur THEN
+        RAISE EXCEPTION 'pepsi fence: this worker''s dispatcher (start %) lost the system to start %', mine, cur
+            USING ERRCODE = 'PD001';
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE OR REPLACE TRIGGER workqueue_fence BEFORE INSERT OR UPDATE OR DELETE ON workqueue
+    FOR EACH STATEMENT
+    WHEN (current_setting('application_name') ~ '^pepsi-worker -?[0-9]+ [0-9]+$')
+    EXECUTE FUNCTION workqueue_fence();
 
 -- The parts of the schema in files of their own, each applied here in this session (psql's
 -- \ir resolves the name beside this file, so apply this file by its path, never one of them

@@ -42,6 +42,8 @@ type message struct {
 	claim    int64 // the claim token the failure and reset writes are guarded by
 	attempts int   // failed attempts before this claim
 	fanout   int64 // fanout_id of a fan-out child, 0 for others
+
+	forgotten bool // a reconcile found its row no longer our claim: no write of ours applies
 }
 
 // worker is one worker process of a stage.
