@@ -179,3 +179,26 @@ func (b *haBoard) writeHA(p *promWriter) {
 	p.sample("pepsi_outage_retried_total", "counter", "Failures caused by a database outage, retried without an attempt.", "", s.outageRetried)
 	p.sample("pepsi_takeovers_total", "counter", "Times this dispatcher took the lock over from another one.", "", s.takeovers)
 }
+
+// outageFailure handles a failure line whose reason names the database's outage (the stage
+// lost its session, or its session is on a standby: isOutageText): the message goes back to
+// pending without an attempt, and the worker is replaced, since its connection is no good;
+// its exit puts the rest of its queue back. It reports whether it took the failure.
+func (c *coordinator) outageFailure(w *worker, m *message, text string) bool {
+	if !isOutageText(text) {
+		return false
+	}
+	c.resets = append(c.resets, m)
+	c.ha.update(func(s *haStatus) { s.outageRetried++ })
+	if w.state != workerStopping {
+		c.log.Warn("stage failed for the database's outage; the message goes back to pending, no attempt charged, "+
+			"and the worker is replaced", "stage", w.stage, "pid", w.pid, "id", m.id, "reason", clip(text, 200))
+		w.end(fateRetired)
+	}
+	return true
+}
+
+// relockMaxDelay caps the back-off between attempts to take the lock again: a failed attempt
+// costs a refused connection or one read-only answer, and claims resume within this of the
+// new primary accepting connections.
+const relockMaxDelay = time.Second

@@ -142,7 +142,9 @@ func (in *instance) appName(kind string) string { return fmt.Sprintf("%s %d", ki
 
 // workerAppName is the application_name of this run's workers: the system and our epoch, by
 // which schema.sql's workqueue_fence refuses the workers of a dispatcher that was replaced.
-func (in *instance) workerAppName() string { return fmt.Sprintf("%s %d %d", appWorker, in.key, in.epoch) }
+func (in *instance) workerAppName() string {
+	return fmt.Sprintf("%s %d %d", appWorker, in.key, in.epoch)
+}
 
 // fence records our start, then terminates the sessions a previous dispatcher and its
 // workers left behind and waits until they are gone. The new epoch comes first: from its

@@ -50,7 +50,7 @@ type metricsServer struct {
 	snap    atomic.Pointer[metricsSnapshot]
 	db      atomic.Pointer[sql.DB] // nil when the lock service runs alone, and until the pool exists
 	ha      *haBoard               // the dispatcher's role and server; nil without a dispatcher
-	locks   *lockServer // nil without [poolcounter]
+	locks   *lockServer            // nil without [poolcounter]
 	log     *slog.Logger
 	version string
 }

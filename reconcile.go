@@ -114,3 +114,22 @@ func (c *coordinator) reconcile() (reconcileCounts, error) {
 	}
 	return n, nil
 }
+
+// afterRelock runs the reconcile once the lock is ours again, before the next claim, and
+// reports it; a refusal is handled like any statement the database refused (the claim waits).
+func (c *coordinator) afterRelock() {
+	c.ha.update(func(s *haStatus) { s.role, s.server = "active", c.inst.server })
+	n, err := c.reconcile()
+	if err != nil {
+		c.dbTrouble("reconcile", err)
+		return
+	}
+	c.ha.update(func(s *haStatus) {
+		s.reconciles++
+		s.reset += n.reset
+		s.forgotten += int64(n.forgotten)
+		s.outageRetried += int64(n.outageRetried)
+	})
+	c.log.Info("reconciled the table with memory", "running_reset", n.reset, "forgotten", n.forgotten,
+		"outage_failures_retried", n.outageRetried, "server", c.inst.server)
+}
