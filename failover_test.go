@@ -503,3 +503,42 @@ func TestSigtermHungPastMaxRuntime(t *testing.T) {
 		t.Errorf("hung message after the grace: %+v, want pending with no attempt and no error", r)
 	}
 }
+
+// TestReconcileAfterRelock: a row left running by a claim whose reply the dispatcher never
+// saw (the claim committed as the connection broke) is put back to pending by the reconcile
+// that follows the re-lock, and runs; the reconcile's counts reach the log and /metrics.
+func TestReconcileAfterRelock(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	addr := freePort(t)
+	d := startDaemon(t, baseConf(s, "METRICS_LISTEN = "+addr)+stageConf(t, "a", "", ""), "pipeline")
+	warmUp(t, s, "a")
+	// What the lost reply leaves behind: running under a claim token the dispatcher never
+	// learnt. It is not in any worker's queue, so nothing would ever finish it.
+	// (Inserted paused far in the future, so that the dispatcher does not claim it first.)
+	var id int64
+	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, status, retry_at) VALUES ('a', 'paused', now() + interval '1 day')
+		RETURNING workqueue_id`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	s.exec(t, `UPDATE workqueue SET status = 'running', retry_at = NULL, claim = nextval('workqueue_claim_seq'), claimed_at = now()
+		WHERE workqueue_id = $1`, id)
+	// The dispatcher loses its lock connection (as in a failover) and takes the lock again.
+	s.exec(t, `SELECT pg_terminate_backend(l.pid) FROM pg_locks l
+		WHERE l.locktype = 'advisory' AND l.classid = $1 AND l.objid = to_regclass('workqueue')::oid::bigint`, lockClass)
+	d.waitLog("single-instance lock taken again", 60*time.Second)
+	d.waitLog("reconciled the table with memory", 10*time.Second)
+	if !strings.Contains(d.log.String(), "running_reset=1 ") {
+		t.Errorf("the reconcile did not reset the one running row nobody held")
+	}
+	waitFor(t, 30*time.Second, "the orphan done", func() bool { return row(t, s, id).status == "done" })
+	if r := row(t, s, id); r.attempts != 0 {
+		t.Errorf("orphan charged %d attempts", r.attempts)
+	}
+	waitFor(t, 10*time.Second, "reconcile counts in /metrics", func() bool {
+		b := scrape(addr)
+		return strings.Contains(b, "pepsi_reconciles_total 1") && strings.Contains(b, "pepsi_reconcile_reset_total 1") &&
+			strings.Contains(b, `pepsi_lock_role{role="active"} 1`)
+	})
+	d.stop()
+}
