@@ -179,10 +179,18 @@ func TestFailoverMidRun(t *testing.T) {
 		time.Sleep(delay)
 		start := time.Now()
 		p.promote()
+		promoted := time.Now() // the new primary accepts connections by now
+		waitFor(t, 30*time.Second, "LISTEN back on the new primary", func() bool {
+			return strings.Count(d.log.String(), "LISTEN connection back") >= i+1
+		})
+		if late := time.Since(promoted); late > time.Second {
+			t.Errorf("failover %d: notifications back %v after the new primary accepted connections, want within 1 s", i+1, late)
+		}
 		waitFor(t, 60*time.Second, "the lock re-taken on the new primary", func() bool {
 			return strings.Count(d.log.String(), "single-instance lock taken again") >= i+1
 		})
-		t.Logf("failover %d (outage %v): lock re-taken %v after the promotion", i+1, delay, time.Since(start).Round(time.Millisecond))
+		t.Logf("failover %d (outage %v): lock re-taken %v after the promotion began (pg_ctl promote -w took part of it)",
+			i+1, delay, time.Since(start).Round(time.Millisecond))
 		p.rebuildStandby()
 	}
 	n := len(delays) * batch

@@ -12,9 +12,11 @@
 // # Lifecycle
 //
 // serve: read the configuration (exit 2 on a mistake), open the listening sockets, drop
-// privileges, take the single-instance lock (exit 1 if another dispatcher holds it), fence off
-// a previous run's workers and reset its orphaned rows, LISTEN, then run the coordinator
-// (coordinator.go) until SIGINT/SIGTERM. Shutdown lets workers finish their queue within
+// privileges, take the single-instance lock on a writable server (waiting for one; exit 1 if
+// another dispatcher holds it, or with STANDBY = yes wait for its session to end: standby.go),
+// fence off a previous run's workers and reset its orphaned rows, LISTEN, then run the
+// coordinator (coordinator.go) until SIGINT/SIGTERM. A lost lock connection (a failover) is
+// re-taken and followed by a reconcile (reconcile.go). Shutdown lets workers finish their queue within
 // SHUTDOWN_GRACE, kills the rest, puts their rows back to pending, flushes statistics, exit 0.
 //
 // # Caveats
@@ -221,7 +223,8 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	if err != nil {
 		return err
 	}
-	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphans)
+	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphans,
+		"server", inst.server)
 
 	overlay, err := readOverlay(ctx, inst.conn)
 	if err != nil {
