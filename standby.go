@@ -19,6 +19,8 @@ import (
 	"os"
 	"sync"
 	"time"
+
+	"github.com/lib/pq"
 )
 
 // errStopped means a signal arrived while waiting: a clean exit, not an error.
@@ -47,7 +49,12 @@ func connect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.
 			return nil, nil, nil
 		}
 		var why string
+		var pe *pq.Error
 		switch {
+		case errors.As(err, &pe) && (pe.Code == "57014" || pe.Code == "55P03"):
+			// A standby's wait cut by statement_timeout or lock_timeout (the DSN's options):
+			// not a failure, just wait again.
+			why = "standby: the wait for the lock was cut by a timeout; waiting again"
 		case errors.Is(err, errReadOnly) || isReadOnlyErr(err):
 			why = "no writable database server yet; waiting for one"
 		case isConnLost(err):
@@ -55,7 +62,9 @@ func connect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.
 		default:
 			return nil, nil, connectError(err)
 		}
-		ha.update(func(s *haStatus) { s.role = "waiting" })
+		if pe == nil || pe.Code != "57014" && pe.Code != "55P03" {
+			ha.update(func(s *haStatus) { s.role = "waiting" })
+		}
 		d := b.next()
 		if why != lastWhy || attempt%10 == 0 {
 			log.Warn(why, "err", err, "attempt", attempt, "retry_in", d.Round(time.Millisecond))
