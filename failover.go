@@ -14,6 +14,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"strings"
@@ -80,6 +81,29 @@ func lockKeepalive(ctx context.Context, conn *sql.Conn, d time.Duration) error {
 		return fmt.Errorf("set the lock session's keepalives: %w", err)
 	}
 	return nil
+}
+
+// discard ends conn's session instead of returning it to the pool: a session that held the
+// lock must end for the lock to go. Returning driver.ErrBadConn from Raw makes database/sql
+// close the connection.
+func discard(conn *sql.Conn) {
+	conn.Raw(func(any) error { return driver.ErrBadConn })
+	conn.Close() // already closed by Raw: ErrConnDone, nothing to report
+}
+
+// openWorkPool opens the pool of the coordinator's other statements (statistics, retention,
+// the fan-in flush, the /metrics row query), named with this run's epoch so that the schema's
+// fence refuses it once another dispatcher has taken over. The lock connection has a pool of
+// its own (tryConnect).
+func openWorkPool(cfg *Config, inst *instance) (*sql.DB, error) {
+	db, err := sql.Open("postgres", dsnWith(dsnOwn(cfg.DSN), "application_name", inst.dispatchAppName()))
+	if err != nil {
+		return nil, fmt.Errorf("open database: %w", err)
+	}
+	n := max(1, cfg.Dispatch.DBPoolSize-1) // DB_POOL_SIZE counts the lock connection
+	db.SetMaxOpenConns(n)
+	db.SetMaxIdleConns(n)
+	return db, nil
 }
 
 // isOutage reports whether err is the database going away or refusing writes (a failover),

@@ -25,6 +25,8 @@ import (
 
 	"pepsi-dispatch/internal/pgtest"
 	"pepsi-dispatch/internal/schemafile"
+
+	"github.com/lib/pq"
 )
 
 // pgPair is a primary and its synchronous standby, two private clusters of one test. The
@@ -549,4 +551,42 @@ func TestReconcileAfterRelock(t *testing.T) {
 			strings.Contains(b, `pepsi_lock_role{role="active"} 1`)
 	})
 	d.stop()
+}
+
+// TestFenceRefusesAnotherEpoch: schema.sql's pepsi_fence refuses writes from a worker or a
+// dispatcher pool of another epoch than dispatch_instance's, and nobody else's.
+func TestFenceRefusesAnotherEpoch(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `UPDATE dispatch_instance SET epoch = 5`)
+	id := insertOne(t, s, "a", `{}`)
+	for _, c := range []struct {
+		app     string
+		refused bool
+	}{
+		{"pepsi-worker 77 4", true}, {"pepsi-dispatch 77 4", true}, {"pepsi-worker -77 6", true},
+		{"pepsi-worker 77 5", false}, {"pepsi-dispatch 77 5", false},
+		{"pepsi-dispatch 77", false}, {"pepsi-worker 77", false}, {"psql", false},
+	} {
+		conn, err := s.DB.Conn(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := conn.ExecContext(context.Background(), `SELECT set_config('application_name', $1, false)`, c.app); err != nil {
+			t.Fatal(err)
+		}
+		for _, q := range []string{
+			`UPDATE workqueue SET payload = '{}' WHERE workqueue_id = ` + strconv.FormatInt(id, 10),
+			`INSERT INTO workqueue (stage) VALUES ('a')`,
+			`UPDATE dispatch_stats SET claims = claims`,
+			`UPDATE stage_stats SET processed = processed`,
+		} {
+			_, err := conn.ExecContext(context.Background(), q)
+			var pe *pq.Error
+			refused := errors.As(err, &pe) && pe.Code == "PD001"
+			if refused != c.refused || (err != nil && !refused) {
+				t.Errorf("%s: %s: %v, want refused=%v", c.app, q, err, c.refused)
+			}
+		}
+		conn.Close()
+	}
 }

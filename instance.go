@@ -141,15 +141,23 @@ func describeHolder(ctx context.Context, conn *sql.Conn) string {
 func (in *instance) appName(kind string) string { return fmt.Sprintf("%s %d", kind, in.key) }
 
 // workerAppName is the application_name of this run's workers: the system and our epoch, by
-// which schema.sql's workqueue_fence refuses the workers of a dispatcher that was replaced.
+// which schema.sql's pepsi_fence refuses the workers of a dispatcher that was replaced.
 func (in *instance) workerAppName() string {
 	return fmt.Sprintf("%s %d %d", appWorker, in.key, in.epoch)
+}
+
+// dispatchAppName names the sessions of this run's work pool (statistics, retention, the
+// fan-in flush): fenced like the workers, so a replaced dispatcher that comes back cannot
+// write through its pool either. The lock connection keeps appName(appDispatch): it is opened
+// before the epoch is known, and the lock itself fences it.
+func (in *instance) dispatchAppName() string {
+	return fmt.Sprintf("%s %d %d", appDispatch, in.key, in.epoch)
 }
 
 // fence records our start, then terminates the sessions a previous dispatcher and its
 // workers left behind and waits until they are gone. The new epoch comes first: from its
 // commit on, a worker of an earlier run that reconnects (a frozen machine thawed) cannot write
-// workqueue (schema.sql's workqueue_fence), and one still connected is terminated here. After
+// workqueue (schema.sql's pepsi_fence), and one still connected is terminated here. After
 // it returns, no earlier run can commit.
 func (in *instance) fence(ctx context.Context, version string) (int, error) {
 	host, _ := os.Hostname()
@@ -160,12 +168,13 @@ func (in *instance) fence(ctx context.Context, version string) (int, error) {
 		return 0, fmt.Errorf("record start in dispatch_instance: %w", err)
 	}
 	names := []string{in.appName(appDispatch), in.appName(appWorker)}
-	workers := in.appName(appWorker) + " %" // this system's workers of any epoch
+	// This system's workers and work pools of any epoch.
+	epochs := []string{in.appName(appWorker) + " %", in.appName(appDispatch) + " %"}
 	var killed int
 	err = in.conn.QueryRowContext(ctx, `
 		SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-		 WHERE datname = current_database() AND (application_name = ANY($1) OR application_name LIKE $2)
-		   AND pid <> pg_backend_pid()`, pq.Array(names), workers).Scan(&killed)
+		 WHERE datname = current_database() AND (application_name = ANY($1) OR application_name LIKE ANY($2))
+		   AND pid <> pg_backend_pid()`, pq.Array(names), pq.Array(epochs)).Scan(&killed)
 	if err != nil {
 		return 0, fmt.Errorf("fence previous sessions: %w", err)
 	}
@@ -174,8 +183,8 @@ func (in *instance) fence(ctx context.Context, version string) (int, error) {
 		var left int
 		err := in.conn.QueryRowContext(ctx, `
 			SELECT count(*) FROM pg_stat_activity
-			 WHERE datname = current_database() AND (application_name = ANY($1) OR application_name LIKE $2)
-			   AND pid <> pg_backend_pid()`, pq.Array(names), workers).Scan(&left)
+			 WHERE datname = current_database() AND (application_name = ANY($1) OR application_name LIKE ANY($2))
+			   AND pid <> pg_backend_pid()`, pq.Array(names), pq.Array(epochs)).Scan(&left)
 		if err != nil {
 			return 0, fmt.Errorf("fence previous sessions: %w", err)
 		}
@@ -208,7 +217,9 @@ func (in *instance) resetOrphans(ctx context.Context) (int64, error) {
 // dispatcher started meanwhile (the epoch is still ours); otherwise the caller must exit.
 func (in *instance) relock(ctx context.Context) error {
 	if in.conn != nil {
-		in.conn.Close() // already broken; the error says nothing new
+		// Broken, or alive on a server that went read-only: either way its session must end
+		// (and with it any lock it still holds there), not go back to the pool.
+		discard(in.conn)
 		in.conn = nil
 	}
 	conn, err := in.db.Conn(ctx)
@@ -243,7 +254,7 @@ func (in *instance) relock(ctx context.Context) error {
 
 func (in *instance) close() {
 	if in.conn != nil {
-		in.conn.Close() // ending the session releases the advisory lock
+		discard(in.conn) // ending the session releases the advisory lock
 		in.conn = nil
 	}
 }

@@ -225,6 +225,11 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	}
 	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphans,
 		"server", inst.server)
+	work, err := openWorkPool(cfg, inst) // db keeps the lock connection alone
+	if err != nil {
+		return err
+	}
+	defer work.Close()
 
 	overlay, err := readOverlay(ctx, inst.conn)
 	if err != nil {
@@ -273,9 +278,9 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 		retain = &retainer{age: cfg.Dispatch.Retention}
 	}
 	if metrics != nil {
-		metrics.db.Store(db)
+		metrics.db.Store(work)
 	}
-	c := newCoordinator(cctx, coordinatorDeps{cfg: &run, version: version, log: log, db: db, inst: inst,
+	c := newCoordinator(cctx, coordinatorDeps{cfg: &run, version: version, log: log, db: work, inst: inst,
 		notify: listener.Notify, sigs: sigs, hups: hups, metrics: metrics, notifier: sd, retain: retain, ha: ha})
 	if metrics != nil {
 		metrics.publish(c.snapshot())

@@ -95,8 +95,10 @@ func tryConnect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan 
 	if err != nil {
 		return nil, nil, fmt.Errorf("open database: %w", err)
 	}
-	db.SetMaxOpenConns(cfg.Dispatch.DBPoolSize)
-	db.SetMaxIdleConns(cfg.Dispatch.DBPoolSize)
+	// The lock connection's own pool: one session, replaced when it breaks (relock). The
+	// coordinator's other statements get a pool named with the epoch (openWorkPool).
+	db.SetMaxOpenConns(1)
+	db.SetMaxIdleConns(1)
 	inst, err := acquire(ctx, db, cfg.Dispatch, log, sigs, ha)
 	if err != nil {
 		db.Close()
