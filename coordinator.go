@@ -80,7 +80,8 @@ type coordinator struct {
 	dbWaiting bool       // the database refused a write: wait for timerDB
 	dbBackoff backoff
 
-	locked        bool // the lock connection is up and ours
+	locked        bool      // the lock connection is up and ours
+	outageAt      time.Time // when the lock connection was last lost (failover.go: outageWorker)
 	relockBackoff backoff
 
 	stats          *Stats

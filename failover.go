@@ -204,12 +204,22 @@ func (b *haBoard) writeHA(p *promWriter) {
 	p.sample("pepsi_takeovers_total", "counter", "Times this dispatcher took the lock over from another one.", "", s.takeovers)
 }
 
+// outageWorker reports whether w was started before the dispatcher last lost its lock
+// connection: only such a worker can have its session on the server that went away. The
+// words of isOutageText alone do not prove an outage of ours (a stage calling some other
+// service may fail with "connection refused"); a worker started since has a fresh session,
+// and its failures are its own, so a stage that keeps failing with such words is charged as
+// usual rather than retried for ever.
+func (c *coordinator) outageWorker(w *worker) bool {
+	return !c.outageAt.IsZero() && !w.started.After(c.outageAt)
+}
+
 // outageFailure handles a failure line whose reason names the database's outage (the stage
 // lost its session, or its session is on a standby: isOutageText): the message goes back to
 // pending without an attempt, and the worker is replaced, since its connection is no good;
 // its exit puts the rest of its queue back. It reports whether it took the failure.
 func (c *coordinator) outageFailure(w *worker, m *message, text string) bool {
-	if !isOutageText(text) {
+	if !c.outageWorker(w) || !isOutageText(text) {
 		return false
 	}
 	c.resets = append(c.resets, m)

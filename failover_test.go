@@ -590,3 +590,28 @@ func TestFenceRefusesAnotherEpoch(t *testing.T) {
 		conn.Close()
 	}
 }
+
+// refusedWorker fails every message with words that an outage of the database also uses.
+func refusedWorker() int {
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		fmt.Println("1 post to the mail relay: dial tcp 10.0.0.1:25: connect: connection refused")
+	}
+	return 0
+}
+
+func init() { testWorkers["refused"] = refusedWorker }
+
+// TestOutageWordsWithoutOutage: a stage failing with "connection refused" while the
+// dispatcher's database is fine is charged as usual (retried, then failed), not taken for an
+// outage and retried for ever without an attempt.
+func TestOutageWordsWithoutOutage(t *testing.T) {
+	s := newTestSchema(t)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "MAX_ATTEMPTS = 2\nRETRY_DELAY = 0.1"), "refused")
+	id := insertOne(t, s, "a", `{}`)
+	waitFor(t, 30*time.Second, "the message failed", func() bool { return row(t, s, id).status == "failed" })
+	if r := row(t, s, id); r.attempts != 2 || !strings.Contains(r.reason, "connection refused") {
+		t.Errorf("row %+v, want failed after 2 attempts with the stage's reason", r)
+	}
+	d.stop()
+}

@@ -20,6 +20,9 @@ func (c *coordinator) dbTrouble(what string, err error) {
 	if isOutage(err) || c.inst.conn == nil || c.pingLock() != nil {
 		c.log.Error("database connection lost; claims stop until the lock is taken again", "op", what, "err", err,
 			"server", c.inst.server)
+		if c.locked {
+			c.outageAt = time.Now() // the workers started before this had sessions on that server
+		}
 		c.locked = false
 		c.ha.update(func(s *haStatus) { s.role = "relocking" })
 		c.claimer.close()

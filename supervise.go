@@ -213,7 +213,8 @@ func (c *coordinator) onExit(ev workerExit) {
 	// switch's cases are pure predicates and their order alone decides.
 	// A worker that lost its session to a database outage is neither a program that cannot
 	// start nor one that a message crashed (failover.go).
-	atStart := diedAtStart(w, now) && !ev.outage
+	outage := ev.outage && c.outageWorker(w)
+	atStart := diedAtStart(w, now) && !outage
 	poison := false
 	if atStart && len(q) > 0 {
 		poison = c.recordStartupDeath(w, q[0])
@@ -228,7 +229,7 @@ func (c *coordinator) onExit(ev workerExit) {
 		} else {
 			log.Debug("worker stopped", "reason", reason, "answered", w.answered)
 		}
-	case ev.outage && w.fate == fateNone:
+	case outage && w.fate == fateNone:
 		log.Warn("worker lost its database session in an outage; its messages go back to pending, no attempt charged",
 			"reason", reason, "requeued", len(q))
 		c.resets = append(c.resets, q...)
