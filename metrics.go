@@ -48,11 +48,11 @@ type stageSnapshot struct {
 // metricsServer serves /metrics.
 type metricsServer struct {
 	snap    atomic.Pointer[metricsSnapshot]
-	db      *sql.DB     // nil when the lock service runs alone
-	locks   *lockServer // nil without [poolcounter]
+	db      atomic.Pointer[sql.DB] // nil when the lock service runs alone, and until the pool exists
+	ha      *haBoard               // the dispatcher's role and server; nil without a dispatcher
+	locks   *lockServer            // nil without [poolcounter]
 	log     *slog.Logger
 	version string
-	start   func() // starts serving; set by serve, called once the pool exists
 }
 
 // publish is called by the coordinator with a fresh snapshot.
@@ -182,8 +182,11 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 			}
 		}
 	}
-	if m.db != nil {
-		m.writeRows(ctx, p)
+	if m.ha != nil {
+		m.ha.writeHA(p)
+	}
+	if db := m.db.Load(); db != nil {
+		m.writeRows(ctx, db, p)
 	}
 	if m.locks != nil {
 		m.locks.writeMetrics(w)
@@ -191,10 +194,10 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 }
 
 // writeRows adds the row gauges: rows per stage and status, and the oldest pending row's age.
-func (m *metricsServer) writeRows(ctx context.Context, p *promWriter) {
+func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	rows, err := m.db.QueryContext(ctx, `
+	rows, err := db.QueryContext(ctx, `
 		SELECT stage, status, count(*),
 		       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)::float8
 		  FROM workqueue WHERE status IN ('pending', 'running', 'paused', 'waiting', 'failed')
@@ -222,7 +225,7 @@ func (m *metricsServer) writeRows(ctx context.Context, p *promWriter) {
 	p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 1)
 	var open, quarantined int64
 	var oldest float64
-	if err := m.db.QueryRowContext(ctx, `SELECT open_groups, oldest_open_age_s, quarantined FROM fanin_status()`).
+	if err := db.QueryRowContext(ctx, `SELECT open_groups, oldest_open_age_s, quarantined FROM fanin_status()`).
 		Scan(&open, &oldest, &quarantined); err == nil {
 		p.sample("pepsi_fanin_open_groups", "gauge", "Fan-out groups waiting for children.", "", open)
 		p.sample("pepsi_fanin_oldest_open_age_seconds", "gauge", "Age of the oldest open fan-out group.", "", fmt.Sprintf("%.3f", oldest))
