@@ -15,7 +15,7 @@ BINDIR   = $(DESTDIR)$(PREFIX)/bin
 MANDIR   = $(DESTDIR)$(PREFIX)/share/man
 SHAREDIR = $(DESTDIR)$(PREFIX)/share/pepsi
 
-.PHONY: help build test race vet staticcheck fuzz demo bench clean
+.PHONY: help build test race vet staticcheck fuzz soak-locks demo bench clean
 
 include dist/install.mk
 
@@ -44,6 +44,9 @@ fuzz:  ## run each parser fuzzer for FUZZTIME (INI, worker replies, lock protoco
 	$(GO) test -run '^$$' -fuzz '^FuzzINI$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzReply$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzPoolCounterLine$$' -fuzztime $(FUZZTIME) -timeout 5m .
+
+soak-locks:  ## lock service keepalive soak (issue 17): 18,000 idle holders for 2.5 min, no double grant; needs ulimit -Hn >= 18,200
+	PEPSI_SOAK_LOCKS=1 $(GO) test -count=1 -timeout 20m -run '^TestPoolCounterKeepAliveSoak$$' -v .
 
 demo:  ## the demo: 10,000 messages through a three-stage pipeline on a throw-away PostgreSQL
 	demo/run

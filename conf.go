@@ -85,6 +85,8 @@ type DispatchConfig struct {
 	ConsoleTokenFile  string        // the web console's credential file; "" = read-only console
 	consoleTokenAt    string        // FILE:LINE of CONSOLE_TOKEN_FILE, for its errors
 	Retention         time.Duration // delete done rows older than this; 0 = keep
+	Standby           bool          // wait for the single-instance lock instead of exiting 1 (standby.go)
+	LockKeepalive     time.Duration // a vanished holder's lock session ends within this; 0 = server's settings
 
 	FaninBatch    int           // inbox rows per flush statement
 	FaninMaxDelay time.Duration // longest a fan-in hint waits for company before a flush
@@ -317,6 +319,7 @@ func loadConfig(path string) (*Config, error) {
 			StatsInterval:     statsIntervalDefault,
 			ShutdownGrace:     shutdownGraceDefault,
 			DBPoolSize:        dbPoolSizeDefault,
+			LockKeepalive:     lockKeepaliveDefault,
 			User:              userDefault,
 			FaninBatch:        faninBatchDefault,
 			FaninMaxDelay:     faninMaxDelayDefault,
@@ -406,6 +409,12 @@ func (d *DispatchConfig) set(e iniEntry) error {
 		d.SweepPage, err = parseCount(e.Value, 1, 100000)
 	case "SWEEP_MIN_AGE":
 		d.SweepMinAge, err = parseDuration(e.Value)
+	case "STANDBY":
+		d.Standby, err = parseBool(e.Value)
+	case "LOCK_KEEPALIVE":
+		if d.LockKeepalive, err = parseDuration(e.Value); err == nil && d.LockKeepalive > 0 && d.LockKeepalive < 2*time.Second {
+			err = fmt.Errorf("want 0 (the server's keepalive settings) or at least 2s, got %q", e.Value)
+		}
 	case "METRICS_LISTEN":
 		err = checkListen(e.Value)
 		d.MetricsListen = e.Value

@@ -44,7 +44,7 @@ const consoleCSP = "default-src 'none'; style-src 'self'; script-src 'self'; img
 
 // console serves the pages. Its fields are set once before serving and read-only after.
 type console struct {
-	db      *sql.DB
+	pool    func() *sql.DB          // the dispatcher's pool; nil until it exists (page and action check)
 	snap    func() *metricsSnapshot // the coordinator's latest snapshot (nil before the first)
 	samples *sampler
 	log     *slog.Logger
@@ -53,7 +53,7 @@ type console struct {
 	auth    *consoleAuth // nil: read-only, no action shown, action endpoints answer 403
 }
 
-func newConsole(db *sql.DB, snap func() *metricsSnapshot, auth *consoleAuth, log *slog.Logger, version string) (*console, error) {
+func newConsole(pool func() *sql.DB, snap func() *metricsSnapshot, auth *consoleAuth, log *slog.Logger, version string) (*console, error) {
 	t, err := template.New("").Funcs(template.FuncMap{
 		"chart": chartSVG,
 		"age":   fmtAge,
@@ -65,8 +65,8 @@ func newConsole(db *sql.DB, snap func() *metricsSnapshot, auth *consoleAuth, log
 	if err != nil {
 		return nil, fmt.Errorf("parse console templates: %w", err)
 	}
-	return &console{db: db, snap: snap, log: log, version: version, tmpl: t, auth: auth,
-		samples: newSampler(snap, db, log)}, nil
+	return &console{pool: pool, snap: snap, log: log, version: version, tmpl: t, auth: auth,
+		samples: newSampler(snap, pool, log)}, nil
 }
 
 // withConsoleHeaders gives every response of the listener the console's security headers,
@@ -118,6 +118,12 @@ func (e *httpError) Error() string { return e.msg }
 func (c *console) page(f pageFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		consoleHeaders(w)
+		if c.pool() == nil {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			c.render(w, "error", pageData{Title: "Not connected yet", Version: c.version,
+				Body: "this dispatcher has no database pool yet: it is a standby, or waits for a writable server (see /metrics)"})
+			return
+		}
 		title, nav, body, err := f(r)
 		if err != nil {
 			code := http.StatusInternalServerError
@@ -218,7 +224,7 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 			v.Workers, v.InFlight, v.Held = st.workers, st.inflight, st.held
 		}
 	}
-	rows, err := c.db.QueryContext(ctx, `
+	rows, err := c.pool().QueryContext(ctx, `
 		SELECT stage, status, count(*),
 		       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)::float8
 		  FROM workqueue WHERE status <> 'done'
@@ -243,7 +249,7 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 	if err := rows.Err(); err != nil {
 		return "", "", nil, fmt.Errorf("count rows per stage: %w", err)
 	}
-	paused, err := pausedStages(ctx, c.db)
+	paused, err := pausedStages(ctx, c.pool())
 	if err != nil {
 		return "", "", nil, err
 	}
@@ -290,7 +296,7 @@ type overlayView struct{ Section, Key, Value string }
 func (c *console) stages(r *http.Request) (string, string, any, error) {
 	ctx, cancel := context.WithTimeout(r.Context(), consoleStatementTimeout)
 	defer cancel()
-	rows, err := c.db.QueryContext(ctx, `SELECT section, key, value FROM config ORDER BY section, key`)
+	rows, err := c.pool().QueryContext(ctx, `SELECT section, key, value FROM config ORDER BY section, key`)
 	if err != nil {
 		return "", "", nil, fmt.Errorf("read the config table: %w", err)
 	}
@@ -306,7 +312,7 @@ func (c *console) stages(r *http.Request) (string, string, any, error) {
 	if err := rows.Err(); err != nil {
 		return "", "", nil, fmt.Errorf("read the config table: %w", err)
 	}
-	paused, err := pausedStages(ctx, c.db)
+	paused, err := pausedStages(ctx, c.pool())
 	if err != nil {
 		return "", "", nil, err
 	}
@@ -437,7 +443,7 @@ func (c *console) search(r *http.Request) (string, string, any, error) {
 	ctx, cancel := context.WithTimeout(r.Context(), consoleStatementTimeout)
 	defer cancel()
 	stmt, args := searchSQL(q)
-	rows, err := c.db.QueryContext(ctx, stmt, args...)
+	rows, err := c.pool().QueryContext(ctx, stmt, args...)
 	if err != nil {
 		if q.JSONPath != "" && strings.Contains(err.Error(), "jsonpath") {
 			return "", "", nil, &httpError{http.StatusBadRequest, "the JSON path is not valid: " + err.Error()}
@@ -513,7 +519,7 @@ func (c *console) message(r *http.Request) (string, string, any, error) {
 	defer cancel()
 	m := messageView{ID: id}
 	var payload, state []byte
-	err = c.db.QueryRowContext(ctx, `
+	err = c.pool().QueryRowContext(ctx, `
 		SELECT stage, status, attempts, payload, state, coalesce(state->>'dispatch_error', ''),
 		       created_at, retry_at, claimed_at, fanout_id, wait_fanout_id
 		  FROM workqueue WHERE workqueue_id = $1`, id).
@@ -531,12 +537,12 @@ func (c *console) message(r *http.Request) (string, string, any, error) {
 	if m.FanoutID != nil {
 		group = m.FanoutID
 		var parent int64
-		if err := c.db.QueryRowContext(ctx, `SELECT parent_id FROM fanout WHERE fanout_id = $1`, *m.FanoutID).Scan(&parent); err == nil {
+		if err := c.pool().QueryRowContext(ctx, `SELECT parent_id FROM fanout WHERE fanout_id = $1`, *m.FanoutID).Scan(&parent); err == nil {
 			m.Parent = &parent
 		}
 	}
 	if group != nil {
-		if err := c.db.QueryRowContext(ctx, `SELECT expected_n, done_n, failed_n, state FROM fanout WHERE fanout_id = $1`, *group).
+		if err := c.pool().QueryRowContext(ctx, `SELECT expected_n, done_n, failed_n, state FROM fanout WHERE fanout_id = $1`, *group).
 			Scan(&m.Expected, &m.DoneN, &m.FailedN, &m.GroupState); err != nil && !errors.Is(err, sql.ErrNoRows) {
 			return "", "", nil, fmt.Errorf("read fan-out group %d: %w", *group, err)
 		}

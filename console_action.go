@@ -12,7 +12,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"crypto/hmac"
 	"crypto/sha256"
 	"crypto/subtle"
@@ -125,6 +124,9 @@ func (c *console) action(w http.ResponseWriter, r *http.Request) {
 	case !c.auth.csrfOK(r):
 		refuse(w, http.StatusForbidden, "the form's CSRF token is missing or stale: reload the page")
 		return
+	case c.pool() == nil:
+		refuse(w, http.StatusServiceUnavailable, "this dispatcher has no database pool yet (a standby?)")
+		return
 	}
 	c.runAction(w, r)
 }
@@ -165,23 +167,19 @@ func readConsoleToken(path string) (string, error) {
 	return string(tok), nil
 }
 
-// startConsole builds the console and starts its sampler; it serves once the listener does.
-func (m *metricsServer) startConsole(ctx context.Context, token string) error {
+// addConsole builds the console served under / beside /metrics. Its pages read the pool
+// through m.db, which the dispatcher stores once it exists: until then (a standby, or a
+// dispatcher waiting for a writable server) they answer 503.
+func (m *metricsServer) addConsole(token string) error {
 	var auth *consoleAuth
 	if token != "" {
 		auth = &consoleAuth{secret: []byte(token)}
 	}
-	c, err := newConsole(m.db, func() *metricsSnapshot { return m.snap.Load() }, auth,
+	c, err := newConsole(m.db.Load, func() *metricsSnapshot { return m.snap.Load() }, auth,
 		m.log.With("component", "console"), m.version)
 	if err != nil {
 		return err
 	}
 	m.console = c
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if !m.closed {
-		m.wg.Add(1)
-		go func() { defer m.wg.Done(); c.samples.sampleLoop(ctx) }()
-	}
 	return nil
 }

@@ -68,7 +68,9 @@ func (wd *webDriver) call(method, path string, in, out any) {
 
 func (wd *webDriver) s(path string) string { return "/session/" + wd.session + path }
 
-func (wd *webDriver) open(url string) { wd.call("POST", wd.s("/url"), map[string]string{"url": url}, nil) }
+func (wd *webDriver) open(url string) {
+	wd.call("POST", wd.s("/url"), map[string]string{"url": url}, nil)
+}
 
 func (wd *webDriver) source() string {
 	var src string

@@ -41,7 +41,7 @@ type failureGroup struct {
 func (c *console) failures(r *http.Request) (string, string, any, error) {
 	ctx, cancel := context.WithTimeout(r.Context(), consoleStatementTimeout)
 	defer cancel()
-	rows, err := c.db.QueryContext(ctx, `
+	rows, err := c.pool().QueryContext(ctx, `
 		SELECT signature, count, stages, first_seen, last_seen, example_id, coalesce(example_error, ''), coalesce(pattern, '')
 		  FROM queue_errors('{}')`)
 	if err != nil {
@@ -151,7 +151,7 @@ func (c *console) actOnFilter(ctx context.Context, action, filter string) (strin
 	after := int64(0)
 	for {
 		var ids []int64
-		rows, err := c.db.QueryContext(ctx, `SELECT queue_select($1::jsonb, $2, $3)`, filter, after, consoleBatch)
+		rows, err := c.pool().QueryContext(ctx, `SELECT queue_select($1::jsonb, $2, $3)`, filter, after, consoleBatch)
 		if err != nil {
 			return "", fmt.Errorf("select the rows of %s: %w", filter, err)
 		}
@@ -189,7 +189,7 @@ func (c *console) act(ctx context.Context, action string, ids []int64, filter st
 	if filter != "" {
 		f = sql.NullString{String: filter, Valid: true}
 	}
-	rows, err := c.db.QueryContext(ctx, consoleRowActions[action], pq.Array(ids), consoleActor, f)
+	rows, err := c.pool().QueryContext(ctx, consoleRowActions[action], pq.Array(ids), consoleActor, f)
 	if err != nil {
 		return 0, 0, "", fmt.Errorf("%s %d messages: %w", action, len(ids), err)
 	}
@@ -227,7 +227,7 @@ func (c *console) pause(ctx context.Context, stage string, on bool) (string, err
 	}
 	var ok bool
 	var reason sql.NullString
-	err := c.db.QueryRowContext(ctx, `SELECT ok, reason FROM queue_pause($1, $2, $3)`, stage, on, consoleActor).Scan(&ok, &reason)
+	err := c.pool().QueryRowContext(ctx, `SELECT ok, reason FROM queue_pause($1, $2, $3)`, stage, on, consoleActor).Scan(&ok, &reason)
 	if err != nil {
 		return "", fmt.Errorf("pause stage %s: %w", stage, err)
 	}

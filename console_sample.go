@@ -38,7 +38,7 @@ type samplePoint struct {
 // sampler keeps the last hour of samplePoints per stage.
 type sampler struct {
 	snap func() *metricsSnapshot // the coordinator's latest snapshot, nil before the first
-	db   *sql.DB
+	pool func() *sql.DB          // nil until the dispatcher's pool exists
 	log  *slog.Logger
 
 	mu     sync.Mutex               // guards series and last
@@ -47,8 +47,8 @@ type sampler struct {
 	lastAt time.Time
 }
 
-func newSampler(snap func() *metricsSnapshot, db *sql.DB, log *slog.Logger) *sampler {
-	return &sampler{snap: snap, db: db, log: log,
+func newSampler(snap func() *metricsSnapshot, pool func() *sql.DB, log *slog.Logger) *sampler {
+	return &sampler{snap: snap, pool: pool, log: log,
 		series: map[string][]samplePoint{}, last: map[string]stageCounters{}}
 }
 
@@ -69,7 +69,11 @@ func (s *sampler) sampleLoop(ctx context.Context) {
 
 // sample takes one point per stage.
 func (s *sampler) sample(ctx context.Context, now time.Time) {
-	backlog, err := pendingPerStage(ctx, s.db)
+	db := s.pool()
+	if db == nil {
+		return // a standby, or waiting for a writable server: nothing to sample yet
+	}
+	backlog, err := pendingPerStage(ctx, db)
 	if err != nil {
 		s.log.Warn("console: backlog not sampled", "err", err)
 	}

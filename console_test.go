@@ -5,6 +5,7 @@
 package main
 
 import (
+	"database/sql"
 	"errors"
 	"io"
 	"log/slog"
@@ -39,7 +40,7 @@ func newConsoleHarness(t *testing.T, token string) *consoleHarness {
 		stages: []stageSnapshot{{name: "parse", workers: 2, inflight: 3}},
 		config: []*StageConfig{{Name: "parse", Program: "/bin/<b>parse</b>", Parallelism: 2, QueueLimit: 4, MaxAttempts: 5}},
 	}
-	c, err := newConsole(s.DB, func() *metricsSnapshot { return snap }, auth, slog.New(slog.NewTextHandler(io.Discard, nil)), "test")
+	c, err := newConsole(func() *sql.DB { return s.DB }, func() *metricsSnapshot { return snap }, auth, slog.New(slog.NewTextHandler(io.Discard, nil)), "test")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -80,7 +80,8 @@ type coordinator struct {
 	dbWaiting bool       // the database refused a write: wait for timerDB
 	dbBackoff backoff
 
-	locked        bool // the lock connection is up and ours
+	locked        bool      // the lock connection is up and ours
+	outageAt      time.Time // when the lock connection was last lost (failover.go: outageWorker)
 	relockBackoff backoff
 
 	stats          *Stats
@@ -93,6 +94,7 @@ type coordinator struct {
 	metrics  *metricsServer // nil unless METRICS_LISTEN is set
 	notifier *notifier      // systemd readiness and watchdog; no-op outside systemd
 	retain   *retainer      // nil unless RETENTION is set
+	ha       *haBoard       // the role, the server and the reconciles (failover.go)
 	started  time.Time
 
 	stageFailing map[string]int // consecutive failures per stage, for log rate-limiting
@@ -116,6 +118,7 @@ type coordinatorDeps struct {
 	metrics  *metricsServer // nil unless METRICS_LISTEN is set
 	notifier *notifier      // systemd; a no-op value outside it
 	retain   *retainer      // nil unless RETENTION is set
+	ha       *haBoard       // the role and the server, shared with /metrics
 }
 
 // newCoordinator builds a coordinator over an acquired instance. ctx must outlive the
@@ -125,16 +128,16 @@ func newCoordinator(ctx context.Context, d coordinatorDeps) *coordinator {
 	c := &coordinator{
 		cfg: cfg, version: d.version, log: d.log, db: d.db, inst: inst,
 		notify: d.notify, sigs: d.sigs, hups: d.hups,
-		metrics: d.metrics, notifier: d.notifier, retain: d.retain,
+		metrics: d.metrics, notifier: d.notifier, retain: d.retain, ha: d.ha,
 		ctx: ctx, wg: &sync.WaitGroup{}, events: make(chan event, eventBuffer),
 		timers: newTimerHeap(), timer: time.NewTimer(time.Hour),
 		workers: map[int]*worker{}, inflight: map[string]int{},
 		dbBackoff:     backoff{min: 100 * time.Millisecond, max: 5 * time.Second},
-		relockBackoff: backoff{min: 100 * time.Millisecond, max: 5 * time.Second},
+		relockBackoff: backoff{min: 100 * time.Millisecond, max: relockMaxDelay},
 		stats:         newStats(), locked: true, stageFailing: map[string]int{},
 		want: map[string]int{}, started: time.Now(),
 	}
-	c.workerDSN = dsnWith(cfg.DSN, "application_name", inst.appName(appWorker))
+	c.workerDSN = dsnWith(cfg.DSN, "application_name", inst.workerAppName())
 	for _, kv := range os.Environ() {
 		k, _, _ := strings.Cut(kv, "=")
 		switch {
@@ -145,7 +148,7 @@ func newCoordinator(ctx context.Context, d coordinatorDeps) *coordinator {
 		}
 		c.workerEnv = append(c.workerEnv, kv)
 	}
-	c.workerEnv = append(c.workerEnv, "PGAPPNAME="+inst.appName(appWorker))
+	c.workerEnv = append(c.workerEnv, "PGAPPNAME="+inst.workerAppName())
 	c.fanin = newFanin(cfg.Dispatch, &c.stats.Fanin)
 	c.setStages(cfg.Stages)
 	return c

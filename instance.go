@@ -17,6 +17,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"time"
 
@@ -42,6 +43,9 @@ type instance struct {
 	conn  *sql.Conn // holds the advisory lock; runs the coordinator's claims and writes
 	key   int32     // second half of the advisory lock key: the workqueue table's oid
 	epoch int64     // our start's number in dispatch_instance
+
+	server    string        // the server the lock session is on (host:port), for the log and /metrics
+	keepalive time.Duration // LOCK_KEEPALIVE, applied to every lock session
 }
 
 // systemKey returns the lock key of the workqueue table in the connection's search_path.
@@ -72,9 +76,10 @@ func systemKey(ctx context.Context, q interface {
 	return int32(uint32(oid.Int64)), nil
 }
 
-// acquire opens the lock connection and takes the lock, without waiting: a second dispatcher
-// must refuse to start, not queue behind the first.
-func acquire(ctx context.Context, db *sql.DB) (*instance, error) {
+// acquire opens the lock connection and takes the lock, on a writable server only. Without
+// STANDBY it does not wait: a second dispatcher must refuse to start, not queue behind the
+// first. With it, it waits for the holder's session to end (standby.go).
+func acquire(ctx context.Context, db *sql.DB, dc DispatchConfig, log *slog.Logger, sigs <-chan os.Signal, ha *haBoard) (*instance, error) {
 	conn, err := db.Conn(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("connect: %w", err)
@@ -84,17 +89,40 @@ func acquire(ctx context.Context, db *sql.DB) (*instance, error) {
 		conn.Close()
 		return nil, err
 	}
-	var got bool
-	if err := conn.QueryRowContext(ctx, `SELECT pg_try_advisory_lock($1, $2)`, lockClass, key).Scan(&got); err != nil {
+	if err := lockKeepalive(ctx, conn, dc.LockKeepalive); err != nil {
 		conn.Close()
-		return nil, fmt.Errorf("take single-instance lock: %w", err)
+		return nil, err
 	}
+	got, server, err := takeLock(ctx, conn, key, false)
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	tookOver := false
 	if !got {
 		holder := describeHolder(ctx, conn)
-		conn.Close()
-		return nil, fmt.Errorf("%w (%s); refusing to start a second one", errLockHeld, holder)
+		if !dc.Standby {
+			conn.Close()
+			return nil, fmt.Errorf("%w (%s); refusing to start a second one", errLockHeld, holder)
+		}
+		ha.update(func(s *haStatus) { s.role, s.server = "standby", server })
+		log.Info("standby: another dispatcher holds the single-instance lock; waiting for it", "holder", holder, "server", server)
+		start := time.Now()
+		if server, err = waitForLock(ctx, conn, key, sigs); err != nil {
+			conn.Close()
+			return nil, err
+		}
+		log.Info("standby: took over the single-instance lock", "previous", holder, "server", server,
+			"waited", time.Since(start).Round(time.Millisecond))
+		tookOver = true
 	}
-	return &instance{db: db, conn: conn, key: key}, nil
+	ha.update(func(s *haStatus) {
+		s.role, s.server = "active", server
+		if tookOver {
+			s.takeovers++
+		}
+	})
+	return &instance{db: db, conn: conn, key: key, server: server, keepalive: dc.LockKeepalive}, nil
 }
 
 // describeHolder says who holds the lock, for the refusal message.
@@ -112,15 +140,41 @@ func describeHolder(ctx context.Context, conn *sql.Conn) string {
 // appName returns the application_name of a session kind of this system.
 func (in *instance) appName(kind string) string { return fmt.Sprintf("%s %d", kind, in.key) }
 
-// fence terminates the sessions a previous dispatcher and its workers left behind and waits
-// until they are gone, then records our start. After it returns, no earlier run can commit.
+// workerAppName is the application_name of this run's workers: the system and our epoch, by
+// which schema.sql's pepsi_fence refuses the workers of a dispatcher that was replaced.
+func (in *instance) workerAppName() string {
+	return fmt.Sprintf("%s %d %d", appWorker, in.key, in.epoch)
+}
+
+// dispatchAppName names the sessions of this run's work pool (statistics, retention, the
+// fan-in flush): fenced like the workers, so a replaced dispatcher that comes back cannot
+// write through its pool either. The lock connection keeps appName(appDispatch): it is opened
+// before the epoch is known, and the lock itself fences it.
+func (in *instance) dispatchAppName() string {
+	return fmt.Sprintf("%s %d %d", appDispatch, in.key, in.epoch)
+}
+
+// fence records our start, then terminates the sessions a previous dispatcher and its
+// workers left behind and waits until they are gone. The new epoch comes first: from its
+// commit on, a worker of an earlier run that reconnects (a frozen machine thawed) cannot write
+// workqueue (schema.sql's pepsi_fence), and one still connected is terminated here. After
+// it returns, no earlier run can commit.
 func (in *instance) fence(ctx context.Context, version string) (int, error) {
-	names := []string{in.appName(appDispatch), in.appName(appWorker)}
-	var killed int
+	host, _ := os.Hostname()
 	err := in.conn.QueryRowContext(ctx, `
+		UPDATE dispatch_instance SET epoch = epoch + 1, pid = $1, host = $2, version = $3, started_at = now()
+		 WHERE id = 1 RETURNING epoch`, os.Getpid(), host, version).Scan(&in.epoch)
+	if err != nil {
+		return 0, fmt.Errorf("record start in dispatch_instance: %w", err)
+	}
+	names := []string{in.appName(appDispatch), in.appName(appWorker)}
+	// This system's workers and work pools of any epoch.
+	epochs := []string{in.appName(appWorker) + " %", in.appName(appDispatch) + " %"}
+	var killed int
+	err = in.conn.QueryRowContext(ctx, `
 		SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-		 WHERE datname = current_database() AND application_name = ANY($1)
-		   AND pid <> pg_backend_pid()`, pq.Array(names)).Scan(&killed)
+		 WHERE datname = current_database() AND (application_name = ANY($1) OR application_name LIKE ANY($2))
+		   AND pid <> pg_backend_pid()`, pq.Array(names), pq.Array(epochs)).Scan(&killed)
 	if err != nil {
 		return 0, fmt.Errorf("fence previous sessions: %w", err)
 	}
@@ -129,8 +183,8 @@ func (in *instance) fence(ctx context.Context, version string) (int, error) {
 		var left int
 		err := in.conn.QueryRowContext(ctx, `
 			SELECT count(*) FROM pg_stat_activity
-			 WHERE datname = current_database() AND application_name = ANY($1)
-			   AND pid <> pg_backend_pid()`, pq.Array(names)).Scan(&left)
+			 WHERE datname = current_database() AND (application_name = ANY($1) OR application_name LIKE ANY($2))
+			   AND pid <> pg_backend_pid()`, pq.Array(names), pq.Array(epochs)).Scan(&left)
 		if err != nil {
 			return 0, fmt.Errorf("fence previous sessions: %w", err)
 		}
@@ -145,13 +199,6 @@ func (in *instance) fence(ctx context.Context, version string) (int, error) {
 			return 0, ctx.Err()
 		case <-time.After(delay):
 		}
-	}
-	host, _ := os.Hostname()
-	err = in.conn.QueryRowContext(ctx, `
-		UPDATE dispatch_instance SET epoch = epoch + 1, pid = $1, host = $2, version = $3, started_at = now()
-		 WHERE id = 1 RETURNING epoch`, os.Getpid(), host, version).Scan(&in.epoch)
-	if err != nil {
-		return 0, fmt.Errorf("record start in dispatch_instance: %w", err)
 	}
 	return killed, nil
 }
@@ -170,15 +217,21 @@ func (in *instance) resetOrphans(ctx context.Context) (int64, error) {
 // dispatcher started meanwhile (the epoch is still ours); otherwise the caller must exit.
 func (in *instance) relock(ctx context.Context) error {
 	if in.conn != nil {
-		in.conn.Close() // already broken; the error says nothing new
+		// Broken, or alive on a server that went read-only: either way its session must end
+		// (and with it any lock it still holds there), not go back to the pool.
+		discard(in.conn)
 		in.conn = nil
 	}
 	conn, err := in.db.Conn(ctx)
 	if err != nil {
 		return fmt.Errorf("reconnect: %w", err)
 	}
-	var got bool
-	if err := conn.QueryRowContext(ctx, `SELECT pg_try_advisory_lock($1, $2)`, lockClass, in.key).Scan(&got); err != nil {
+	if err := lockKeepalive(ctx, conn, in.keepalive); err != nil {
+		conn.Close()
+		return err
+	}
+	got, server, err := takeLock(ctx, conn, in.key, false)
+	if err != nil {
 		conn.Close()
 		return fmt.Errorf("take single-instance lock again: %w", err)
 	}
@@ -195,13 +248,13 @@ func (in *instance) relock(ctx context.Context) error {
 		conn.Close()
 		return fmt.Errorf("%w: another dispatcher ran while it was lost (epoch %d, ours %d)", errLockLost, epoch, in.epoch)
 	}
-	in.conn = conn
+	in.conn, in.server = conn, server
 	return nil
 }
 
 func (in *instance) close() {
 	if in.conn != nil {
-		in.conn.Close() // ending the session releases the advisory lock
+		discard(in.conn) // ending the session releases the advisory lock
 		in.conn = nil
 	}
 }

@@ -12,9 +12,11 @@
 // # Lifecycle
 //
 // serve: read the configuration (exit 2 on a mistake), open the listening sockets, drop
-// privileges, take the single-instance lock (exit 1 if another dispatcher holds it), fence off
-// a previous run's workers and reset its orphaned rows, LISTEN, then run the coordinator
-// (coordinator.go) until SIGINT/SIGTERM. Shutdown lets workers finish their queue within
+// privileges, take the single-instance lock on a writable server (waiting for one; exit 1 if
+// another dispatcher holds it, or with STANDBY = yes wait for its session to end: standby.go),
+// fence off a previous run's workers and reset its orphaned rows, LISTEN, then run the
+// coordinator (coordinator.go) until SIGINT/SIGTERM. A lost lock connection (a failover) is
+// re-taken and followed by a reconcile (reconcile.go). Shutdown lets workers finish their queue within
 // SHUTDOWN_GRACE, kills the rest, puts their rows back to pending, flushes statistics, exit 0.
 //
 // # Caveats
@@ -27,7 +29,6 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"flag"
 	"fmt"
@@ -172,21 +173,23 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
 		}()
 		log.Info("lock service listening", "addr", pcLn.Addr().String())
 	}
+	var ha *haBoard // the dispatcher's role and server, for the log and /metrics (failover.go)
+	if cfg.DSN != "" {
+		ha = &haBoard{}
+	}
 	var metrics *metricsServer
 	if metricsLn != nil {
-		metrics = &metricsServer{locks: ls, log: log.With("component", "metrics"), version: version}
-		// Without a database it serves the lock counters now; with one, serveDispatch starts
-		// it once the pool exists (the handler reads m.db without a lock).
-		serveMetrics := func() {
-			side.Add(1)
-			go func() { defer side.Done(); metrics.serve(ctx, metricsLn) }()
-			log.Info("metrics endpoint listening", "addr", metricsLn.Addr().String())
+		metrics = &metricsServer{locks: ls, ha: ha, log: log.With("component", "metrics"), version: version}
+		if cfg.DSN != "" {
+			if err := metrics.addConsole(cfg.consoleToken); err != nil {
+				return err
+			}
 		}
-		if cfg.DSN == "" {
-			serveMetrics()
-		} else {
-			metrics.start = serveMetrics
-		}
+		// It serves from the start: a dispatcher waiting for a primary or, as a standby, for
+		// the lock says so there; the row gauges come once the pool exists (metrics.db).
+		side.Add(1)
+		go func() { defer side.Done(); metrics.serve(ctx, metricsLn) }()
+		log.Info("metrics endpoint listening", "addr", metricsLn.Addr().String())
 	}
 	if cfg.DSN == "" {
 		log.Info("no [database] DSN: running the lock service alone")
@@ -208,13 +211,13 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
 			}
 		}
 	}
-	return serveDispatch(ctx, cfg, log.With("component", "dispatch"), sigs, hups, metrics, sd)
+	return serveDispatch(ctx, cfg, log.With("component", "dispatch"), sigs, hups, metrics, sd, ha)
 }
 
 // serveDispatch runs the dispatcher part: lock, fence, reset, LISTEN, coordinate.
 func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hups <-chan os.Signal,
-	metrics *metricsServer, sd *notifier) error {
-	inst, db, err := connect(ctx, cfg, log, sigs)
+	metrics *metricsServer, sd *notifier, ha *haBoard) error {
+	inst, db, err := connect(ctx, cfg, log, sigs, ha)
 	if err != nil || inst == nil {
 		return err // inst == nil, err == nil: a signal arrived while waiting for the database
 	}
@@ -228,7 +231,13 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	if err != nil {
 		return err
 	}
-	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphans)
+	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphans,
+		"server", inst.server)
+	work, err := openWorkPool(cfg, inst) // db keeps the lock connection alone
+	if err != nil {
+		return err
+	}
+	defer work.Close()
 
 	overlay, err := readOverlay(ctx, inst.conn)
 	if err != nil {
@@ -241,8 +250,8 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	run := *cfg
 	run.Stages = stages
 
-	listener := pq.NewListener(dsnWith(cfg.DSN, "application_name", inst.appName(appDispatch)),
-		100*time.Millisecond, 10*time.Second, func(ev pq.ListenerEventType, err error) {
+	listener := pq.NewListener(dsnWith(dsnOwn(cfg.DSN), "application_name", inst.appName(appDispatch)),
+		100*time.Millisecond, listenerMaxReconnect, func(ev pq.ListenerEventType, err error) {
 			switch ev {
 			case pq.ListenerEventDisconnected:
 				log.Warn("LISTEN connection lost; reconnecting", "err", err)
@@ -277,16 +286,12 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 		retain = &retainer{age: cfg.Dispatch.Retention}
 	}
 	if metrics != nil {
-		metrics.db = db
+		metrics.db.Store(work)
 	}
-	c := newCoordinator(cctx, coordinatorDeps{cfg: &run, version: version, log: log, db: db, inst: inst,
-		notify: listener.Notify, sigs: sigs, hups: hups, metrics: metrics, notifier: sd, retain: retain})
+	c := newCoordinator(cctx, coordinatorDeps{cfg: &run, version: version, log: log, db: work, inst: inst,
+		notify: listener.Notify, sigs: sigs, hups: hups, metrics: metrics, notifier: sd, retain: retain, ha: ha})
 	if metrics != nil {
 		metrics.publish(c.snapshot())
-		if err := metrics.startConsole(cctx, cfg.consoleToken); err != nil {
-			return err
-		}
-		metrics.start()
 	}
 	if err := c.faninStartup(); err != nil {
 		return err
@@ -297,56 +302,6 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	stop()      // worker goroutines give up any send still pending
 	c.wg.Wait() // and are gone before the connections close
 	return err
-}
-
-// connect opens the pool and takes the single-instance lock. A database that is not up yet
-// is waited for (with back-off, logged); another dispatcher holding the lock is fatal.
-func connect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.Signal) (*instance, *sql.DB, error) {
-	b := backoff{min: 200 * time.Millisecond, max: 5 * time.Second}
-	for attempt := 1; ; attempt++ {
-		inst, db, err := tryConnect(ctx, cfg)
-		if err == nil {
-			return inst, db, nil
-		}
-		if !isConnLost(err) {
-			return nil, nil, connectError(err)
-		}
-		d := b.next()
-		if attempt == 1 || attempt%10 == 0 {
-			log.Warn("database not reachable; waiting for it", "err", err, "attempt", attempt, "retry_in", d.Round(time.Millisecond))
-		}
-		select {
-		case s := <-sigs:
-			log.Info("shutting down while waiting for the database", "signal", s.String())
-			return nil, nil, nil
-		case <-time.After(d):
-		}
-	}
-}
-
-func tryConnect(ctx context.Context, cfg *Config) (*instance, *sql.DB, error) {
-	// The system key (the workqueue table's oid) names our sessions; learn it first.
-	boot, err := sql.Open("postgres", dsnWith(cfg.DSN, "application_name", appDispatch))
-	if err != nil {
-		return nil, nil, fmt.Errorf("open database: %w", err)
-	}
-	key, err := systemKey(ctx, boot)
-	boot.Close()
-	if err != nil {
-		return nil, nil, err
-	}
-	db, err := sql.Open("postgres", dsnWith(cfg.DSN, "application_name", fmt.Sprintf("%s %d", appDispatch, key)))
-	if err != nil {
-		return nil, nil, fmt.Errorf("open database: %w", err)
-	}
-	db.SetMaxOpenConns(cfg.Dispatch.DBPoolSize)
-	db.SetMaxIdleConns(cfg.Dispatch.DBPoolSize)
-	inst, err := acquire(ctx, db)
-	if err != nil {
-		db.Close()
-		return nil, nil, err
-	}
-	return inst, db, nil
 }
 
 // dropPrivileges switches to USER when started as root, before any worker starts, so that

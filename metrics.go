@@ -50,16 +50,12 @@ type stageSnapshot struct {
 // metricsServer serves /metrics.
 type metricsServer struct {
 	snap    atomic.Pointer[metricsSnapshot]
-	db      *sql.DB     // nil when the lock service runs alone
-	locks   *lockServer // nil without [poolcounter]
+	db      atomic.Pointer[sql.DB] // nil when the lock service runs alone, and until the pool exists
+	ha      *haBoard               // the dispatcher's role and server; nil without a dispatcher
+	locks   *lockServer            // nil without [poolcounter]
 	log     *slog.Logger
 	version string
-	start   func()   // starts serving; set by serve, called once the pool exists
-	console *console // the web console under /, nil when off
-
-	mu     sync.Mutex     // guards closed and the Add calls of wg
-	closed bool           // serve has ended: nothing more may start
-	wg     sync.WaitGroup // the console's sampler
+	console *console // the web console under /; nil for the lock service alone
 }
 
 // publish is called by the coordinator with a fresh snapshot.
@@ -113,8 +109,11 @@ func listenMetrics(addr string) (net.Listener, error) {
 func (m *metricsServer) serve(ctx context.Context, ln net.Listener) {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /metrics", m.handle)
+	var sampling sync.WaitGroup
 	if m.console != nil {
 		m.console.routes(mux)
+		sampling.Add(1)
+		go func() { defer sampling.Done(); m.console.samples.sampleLoop(ctx) }()
 	}
 	var h http.Handler = mux
 	if m.console != nil {
@@ -133,10 +132,7 @@ func (m *metricsServer) serve(ctx context.Context, ln net.Listener) {
 		m.log.Error("metrics endpoint stopped", "err", err)
 	}
 	<-done
-	m.mu.Lock()
-	m.closed = true
-	m.mu.Unlock()
-	m.wg.Wait()
+	sampling.Wait()
 }
 
 func (m *metricsServer) handle(w http.ResponseWriter, r *http.Request) {
@@ -205,8 +201,11 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 			}
 		}
 	}
-	if m.db != nil {
-		m.writeRows(ctx, p)
+	if m.ha != nil {
+		m.ha.writeHA(p)
+	}
+	if db := m.db.Load(); db != nil {
+		m.writeRows(ctx, db, p)
 	}
 	if m.locks != nil {
 		m.locks.writeMetrics(w)
@@ -214,10 +213,10 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 }
 
 // writeRows adds the row gauges: rows per stage and status, and the oldest pending row's age.
-func (m *metricsServer) writeRows(ctx context.Context, p *promWriter) {
+func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	rows, err := m.db.QueryContext(ctx, `
+	rows, err := db.QueryContext(ctx, `
 		SELECT stage, status, count(*),
 		       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)::float8
 		  FROM workqueue WHERE status IN ('pending', 'running', 'paused', 'waiting', 'failed')
@@ -245,7 +244,7 @@ func (m *metricsServer) writeRows(ctx context.Context, p *promWriter) {
 	p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 1)
 	var open, quarantined int64
 	var oldest float64
-	if err := m.db.QueryRowContext(ctx, `SELECT open_groups, oldest_open_age_s, quarantined FROM fanin_status()`).
+	if err := db.QueryRowContext(ctx, `SELECT open_groups, oldest_open_age_s, quarantined FROM fanin_status()`).
 		Scan(&open, &oldest, &quarantined); err == nil {
 		p.sample("pepsi_fanin_open_groups", "gauge", "Fan-out groups waiting for children.", "", open)
 		p.sample("pepsi_fanin_oldest_open_age_seconds", "gauge", "Age of the oldest open fan-out group.", "", fmt.Sprintf("%.3f", oldest))

@@ -15,9 +15,16 @@ import (
 // dbTrouble handles a statement the database refused: if the lock connection is gone, the
 // lock is gone with it; otherwise the queued work waits for a back-off and is tried again.
 func (c *coordinator) dbTrouble(what string, err error) {
-	if isConnLost(err) || c.inst.conn == nil || c.pingLock() != nil {
-		c.log.Error("database connection lost; claims stop until the lock is taken again", "op", what, "err", err)
+	// A read-only answer (25006: the server went into recovery, or a primary was set
+	// read-only) is as good as a lost connection: the lock must not stay there (failover.go).
+	if isOutage(err) || c.inst.conn == nil || c.pingLock() != nil {
+		c.log.Error("database connection lost; claims stop until the lock is taken again", "op", what, "err", err,
+			"server", c.inst.server)
+		if c.locked {
+			c.outageAt = time.Now() // the workers started before this had sessions on that server
+		}
 		c.locked = false
+		c.ha.update(func(s *haStatus) { s.role = "relocking" })
 		c.claimer.close()
 		c.timers.schedule(timerKey{kind: timerRelock}, time.Now().Add(c.relockBackoff.next()))
 		return
@@ -42,12 +49,13 @@ func (c *coordinator) relock() {
 	cancel()
 	switch {
 	case err == nil:
-		c.log.Info("single-instance lock taken again; claims resume")
+		c.log.Info("single-instance lock taken again; claims resume", "server", c.inst.server)
 		c.locked = true
 		c.relockBackoff.reset()
 		c.dbBackoff.reset()
 		c.dbWaiting = false
 		c.claimWanted, c.retryWanted = true, true
+		c.afterRelock()
 	case errors.Is(err, errLockLost):
 		c.fatal = err
 	default:

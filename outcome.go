@@ -34,6 +34,8 @@ func (c *coordinator) onReplies(ev workerReplies) {
 		if r.status == 0 {
 			st.Processed++
 			c.onSuccess(w, m, r)
+		} else if c.outageFailure(w, m, r.text) {
+			// the database's outage, not the message's: back to pending (failover.go)
 		} else {
 			st.Failed++
 			reason := fmt.Sprintf("stage %s: status %d", w.stage, r.status)
@@ -101,6 +103,9 @@ func (c *coordinator) onSuccess(w *worker, m *message, r reply) {
 
 // fail queues a failure write for m: an attempt, then paused or failed.
 func (c *coordinator) fail(m *message, reason string) {
+	if m.forgotten {
+		return // a reconcile found its row no longer our claim: the guarded write would be a no-op
+	}
 	f := failure{m: m, reason: reason, maxAttempts: maxAttemptsDefault, retryDelay: retryDelayDefault}
 	if p := c.pools[m.stage]; p != nil {
 		f.maxAttempts, f.retryDelay = p.cfg.MaxAttempts, p.cfg.RetryDelay

@@ -26,7 +26,8 @@
 --   config           operators (each change notifies config_changed).
 --   stage_stats,
 --   dispatch_stats   the dispatcher only.
---   dispatch_instance the dispatcher only (who holds the single-instance lock, since when).
+--   dispatch_instance the dispatcher only (who holds the single-instance lock, since when);
+--                    its epoch fences the workers and pool of a replaced dispatcher (pepsi_fence).
 
 SET client_min_messages = warning;
 
@@ -158,6 +159,39 @@ CREATE TABLE IF NOT EXISTS dispatch_instance (
     started_at timestamptz
 );
 INSERT INTO dispatch_instance (id) VALUES (1) ON CONFLICT (id) DO NOTHING;
+
+-- The fence of a dispatcher that lost the system to another (failover.go, standby.go). A
+-- worker's session carries its dispatcher's epoch in its application_name ('pepsi-worker KEY
+-- EPOCH'), and so do the dispatcher's pooled sessions ('pepsi-dispatch KEY EPOCH'; its lock
+-- connection is fenced by the lock itself). A dispatcher that takes over bumps the epoch
+-- before anything else, so the workers and the pool of the one it replaced (a frozen machine
+-- thawed, a partitioned one healed) can no longer write these tables: the rows they held have
+-- been claimed again under new claim tokens, and their transaction (a stage's outcome, a
+-- fan-in flush, a statistics flush) commits nothing (SQLSTATE PD001). Cost: one primary-key
+-- read per statement of such a session; every other session is skipped by the WHEN clause.
+CREATE OR REPLACE FUNCTION pepsi_fence() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    mine bigint := split_part(current_setting('application_name'), ' ', 3)::bigint;
+    cur  bigint;
+BEGIN
+    SELECT epoch INTO cur FROM dispatch_instance WHERE id = 1;
+    IF mine IS DISTINCT FROM cur THEN
+        RAISE EXCEPTION 'pepsi fence: this session''s dispatcher (start %) lost the system to start %', mine, cur
+            USING ERRCODE = 'PD001';
+    END IF;
+    RETURN NULL;
+END $$;
+DO $$
+DECLARE t text;
+BEGIN
+    FOREACH t IN ARRAY ARRAY['workqueue', 'stage_stats', 'dispatch_stats'] LOOP
+        EXECUTE format($f$
+            CREATE OR REPLACE TRIGGER pepsi_fence BEFORE INSERT OR UPDATE OR DELETE ON %I
+                FOR EACH STATEMENT
+                WHEN (current_setting('application_name') ~ '^pepsi-(worker|dispatch) -?[0-9]+ [0-9]+$')
+                EXECUTE FUNCTION pepsi_fence()$f$, t);
+    END LOOP;
+END $$;
 
 -- The parts of the schema in files of their own, each applied here in this session (psql's
 -- \ir resolves the name beside this file, so apply this file by its path, never one of them

@@ -174,6 +174,14 @@ func (c *coordinator) watchdog(key timerKey, now time.Time) {
 		c.timers.schedule(key, due)
 		return
 	}
+	if c.shutdown {
+		// A stop is not a failure of the message: like the workers the grace's end kills, its
+		// whole queue goes back to pending, attempts unchanged.
+		c.log.Warn("message ran past MAX_RUNTIME during the shutdown grace; killing its worker, the message goes back to pending",
+			"stage", w.stage, "pid", w.pid, "id", w.queue[0].id, "max_runtime", c.cfg.Dispatch.MaxRuntime)
+		w.end(fateRetired)
+		return
+	}
 	c.log.Warn("message ran past MAX_RUNTIME; killing its worker", "stage", w.stage, "pid", w.pid,
 		"id", w.queue[0].id, "max_runtime", c.cfg.Dispatch.MaxRuntime)
 	w.end(fateTimeout)
@@ -203,7 +211,10 @@ func (c *coordinator) onExit(ev workerExit) {
 	log := c.log.With("stage", w.stage, "pid", w.pid)
 	// The one side effect of the classification happens here, before the switch, so the
 	// switch's cases are pure predicates and their order alone decides.
-	atStart := diedAtStart(w, now)
+	// A worker that lost its session to a database outage is neither a program that cannot
+	// start nor one that a message crashed (failover.go).
+	outage := ev.outage && c.outageWorker(w)
+	atStart := diedAtStart(w, now) && !outage
 	poison := false
 	if atStart && len(q) > 0 {
 		poison = c.recordStartupDeath(w, q[0])
@@ -218,6 +229,11 @@ func (c *coordinator) onExit(ev workerExit) {
 		} else {
 			log.Debug("worker stopped", "reason", reason, "answered", w.answered)
 		}
+	case outage && w.fate == fateNone:
+		log.Warn("worker lost its database session in an outage; its messages go back to pending, no attempt charged",
+			"reason", reason, "requeued", len(q))
+		c.resets = append(c.resets, q...)
+		c.ha.update(func(s *haStatus) { s.outageRetried += int64(len(q)) })
 	case w.fate == fateTimeout:
 		c.stats.stage(w.stage).Timeouts++
 		c.fail(q[0], fmt.Sprintf("stage %s: timeout after %v (worker killed)", w.stage, c.cfg.Dispatch.MaxRuntime))

@@ -42,6 +42,8 @@ type message struct {
 	claim    int64 // the claim token the failure and reset writes are guarded by
 	attempts int   // failed attempts before this claim
 	fanout   int64 // fanout_id of a fan-out child, 0 for others
+
+	forgotten bool // a reconcile found its row no longer our claim: no write of ours applies
 }
 
 // worker is one worker process of a stage.
@@ -76,6 +78,9 @@ type workerExit struct {
 	w     *worker
 	state *os.ProcessState // nil if Wait itself failed
 	err   error
+	// outage: its standard error said its database session was cut or refused by a failover
+	// (isOutageText): its death is the outage's, not its message's.
+	outage bool
 }
 
 // startWorker starts PROGRAM for stage s. The replies and the exit are sent to events; the
@@ -132,8 +137,9 @@ func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- event, l
 	logDone := make(chan struct{})
 	wg.Add(3)
 	go func() { defer wg.Done(); defer close(readDone); w.readLoop(ctx, outR, events) }()
-	go func() { defer wg.Done(); defer close(logDone); logLoop(errR, wlog) }()
-	go func() { defer wg.Done(); w.waitLoop(ctx, events, readDone, logDone, outR, errR) }()
+	var outage bool // written by logLoop's goroutine, read by waitLoop's after logDone
+	go func() { defer wg.Done(); defer close(logDone); outage = logLoop(errR, wlog) }()
+	go func() { defer wg.Done(); w.waitLoop(ctx, events, readDone, logDone, outR, errR, &outage) }()
 	return w, nil
 }
 
@@ -207,7 +213,7 @@ func readReplyLine(r *bufio.Reader) (string, error) {
 }
 
 // waitLoop waits for the process to exit and for its output to be read, then reports the exit.
-func (w *worker) waitLoop(ctx context.Context, events chan<- event, readDone, logDone <-chan struct{}, outR, errR *os.File) {
+func (w *worker) waitLoop(ctx context.Context, events chan<- event, readDone, logDone <-chan struct{}, outR, errR *os.File, outage *bool) {
 	err := w.cmd.Wait()
 	// Wait returns when the process exits; its stdout may still hold replies we must deliver
 	// before the exit, and a grandchild may hold the pipes open: kill the group, then force EOF.
@@ -236,20 +242,23 @@ func (w *worker) waitLoop(ctx context.Context, events chan<- event, readDone, lo
 		state, err = w.cmd.ProcessState, nil
 	}
 	select {
-	case events <- workerExit{w: w, state: state, err: err}:
+	case events <- workerExit{w: w, state: state, err: err, outage: *outage}:
 	case <-ctx.Done():
 	}
 }
 
-// logLoop copies the worker's standard error to the log, one record per line.
-func logLoop(errR *os.File, log *slog.Logger) {
+// logLoop copies the worker's standard error to the log, one record per line, and reports
+// whether a line named a database outage (a stage that lost its session says why, then exits).
+func logLoop(errR *os.File, log *slog.Logger) (outage bool) {
 	sc := bufio.NewScanner(errR)
 	sc.Buffer(make([]byte, 4096), 64<<10)
 	for sc.Scan() {
 		log.Warn("worker stderr", "line", sc.Text())
+		outage = outage || isOutageText(sc.Text())
 	}
 	// A line longer than the buffer ends the scan; keep draining so the worker never blocks.
 	io.Copy(io.Discard, errR)
+	return outage
 }
 
 // send writes the ids of msgs to the worker's stdin in one write. It never blocks for long:

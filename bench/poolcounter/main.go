@@ -23,6 +23,13 @@
 // round with the median throughput is shown: the box may be shared, and outside load should
 // fall on both servers alike.
 //
+// For churn it also prints where a cycle's time goes (connect, ACQ4ME including the wait to be
+// accepted, RELEASE), the kernel's listen-queue counters during each server's measurement
+// (ListenOverflows, ListenDrops, syncookies, SYN retransmits: non-zero means the backlog was
+// too small and clients waited for a SYN retransmit, 1 s and more), the listen backlogs as ss
+// shows them, the kernel settings that bound them, and the CPU both sides used: a side far below
+// 100 % of its pinned CPU was waiting for that CPU (other load), not working.
+//
 // Usage (from the bench module): go run ./poolcounter [-duration 2s] [-rounds 3] [-conns 1,16,256]
 package main
 
@@ -165,6 +172,7 @@ func bench(o options) error {
 	fmt.Printf("servers pinned to CPUs %q, generator to %q; %v or %d cycles per measurement; median of %d alternating rounds\n",
 		o.serverCPUs, o.clientCPUs, o.duration, o.maxCycles, o.rounds)
 	const row = "%-8s %5s %10s %10s %6s | %8s %8s %8s | %8s %8s %8s | %6s %7s\n"
+	var churn []string // breakdowns, printed after the table
 	fmt.Printf(row, "mode", "conns", "pepsi c/s", "ref c/s", "ratio", "p50", "p99", "max", "ref p50", "ref p99", "ref max", "p99 r", "errors")
 	for _, mode := range o.modes {
 		for _, n := range o.conns {
@@ -174,13 +182,13 @@ func bench(o options) error {
 			for round := 0; round < o.rounds; round++ {
 				for _, first := range []bool{round%2 == 0, round%2 != 0} {
 					if first {
-						a, err := measure(ours.addr, mode, n, o.duration, o.maxCycles)
+						a, err := measureServer(ours, mode, n, o.duration, o.maxCycles)
 						if err != nil {
 							return fmt.Errorf("pepsi %s %d: %w", mode, n, err)
 						}
 						as = append(as, a)
 					} else {
-						b, err := measure(ref.addr, mode, n, o.duration, o.maxCycles)
+						b, err := measureServer(ref, mode, n, o.duration, o.maxCycles)
 						if err != nil {
 							return fmt.Errorf("poolcounterd %s %d: %w", mode, n, err)
 						}
@@ -194,7 +202,23 @@ func bench(o options) error {
 				fmtDur(a.pct(50)), fmtDur(a.pct(99)), fmtDur(a.pct(100)),
 				fmtDur(b.pct(50)), fmtDur(b.pct(99)), fmtDur(b.pct(100)),
 				fmt.Sprintf("%.2f", float64(a.pct(99))/float64(b.pct(99))), fmt.Sprintf("%d/%d", a.errors, b.errors))
+			if mode == "churn" {
+				churn = append(churn, fmt.Sprintf("churn %d, where a cycle's time goes (p50/p99/max of the median round):", n),
+					"  pepsi  "+breakdown(a), "  ref    "+breakdown(b),
+					"  pepsi  kernel: "+a.net.String(), "  ref    kernel: "+b.net.String(),
+					fmt.Sprintf("  CPU used / elapsed: pepsi server %.0f%%, its generator %.0f%%; poolcounterd %.0f%%, its generator %.0f%%",
+						100*a.serverCPU.Seconds()/a.elapsed.Seconds(), 100*a.selfCPU.Seconds()/a.elapsed.Seconds(),
+						100*b.serverCPU.Seconds()/b.elapsed.Seconds(), 100*b.selfCPU.Seconds()/b.elapsed.Seconds()))
+			}
 		}
+	}
+	for _, l := range churn {
+		fmt.Println(l)
+	}
+	if len(churn) > 0 {
+		fmt.Printf("kernel: net.core.somaxconn %s, net.ipv4.tcp_max_syn_backlog %s, tcp_syncookies %s, tcp_synack_retries %s, net.core.netdev_max_backlog %s; listen backlog (ss -ltn Send-Q): pepsi %s, poolcounterd %s\n",
+			sysctl("net.core.somaxconn"), sysctl("net.ipv4.tcp_max_syn_backlog"), sysctl("net.ipv4.tcp_syncookies"),
+			sysctl("net.ipv4.tcp_synack_retries"), sysctl("net.core.netdev_max_backlog"), backlog(ours.addr), backlog(ref.addr))
 	}
 	fmt.Println("ratio = pepsi/poolcounterd cycles per second (higher is better); p99 r = pepsi/poolcounterd p99 (lower is better)")
 	if err := ours.stop(); err != nil {
@@ -344,16 +368,93 @@ type result struct {
 	elapsed time.Duration
 	lat     []time.Duration // sorted
 	errors  int64
+	// churn only: the cycle's three parts, each sorted: connect (the kernel's handshake, or
+	// a SYN retransmit when the listen queue was full), ACQ4ME (includes waiting to be
+	// accepted), RELEASE.
+	connect, acq, release []time.Duration
+	net                   netCounters // the kernel's listen-queue figures during the measurement
+	// serverCPU and selfCPU: CPU time used by the server process and by this generator during
+	// the measurement: near elapsed × CPUs given, that side was the bottleneck.
+	serverCPU, selfCPU time.Duration
 }
 
 func (r result) rate() float64 { return float64(r.cycles) / r.elapsed.Seconds() }
 
-func (r result) pct(p int) time.Duration {
-	if len(r.lat) == 0 {
+func (r result) pct(p int) time.Duration { return pct(r.lat, p) }
+
+func pct(lat []time.Duration, p int) time.Duration {
+	if len(lat) == 0 {
 		return 0
 	}
-	i := (len(r.lat)*p + 99) / 100
-	return r.lat[min(max(i-1, 0), len(r.lat)-1)]
+	i := (len(lat)*p + 99) / 100
+	return lat[min(max(i-1, 0), len(lat)-1)]
+}
+
+// netCounters are the kernel's counters that tell where a connect waited: the accept queue
+// overflowed (ListenOverflows, ListenDrops), the SYN queue was full (syncookies sent or SYNs
+// dropped), SYN-ACKs or SYNs were retransmitted. They are machine-wide, so other processes on
+// a shared box add to them.
+type netCounters struct {
+	overflows, drops, cookies, reqQDrops, synRetrans int64
+}
+
+func readNetCounters() netCounters {
+	var c netCounters
+	b, err := os.ReadFile("/proc/net/netstat")
+	if err != nil {
+		return c
+	}
+	lines := strings.Split(string(b), "\n")
+	for i := 0; i+1 < len(lines); i += 2 {
+		names, values := strings.Fields(lines[i]), strings.Fields(lines[i+1])
+		if len(names) == 0 || names[0] != "TcpExt:" || len(names) != len(values) {
+			continue
+		}
+		for j, n := range names {
+			v, _ := strconv.ParseInt(values[j], 10, 64)
+			switch n {
+			case "ListenOverflows":
+				c.overflows = v
+			case "ListenDrops":
+				c.drops = v
+			case "TCPReqQFullDoCookies":
+				c.cookies = v
+			case "TCPReqQFullDrop":
+				c.reqQDrops = v
+			case "TCPSynRetrans":
+				c.synRetrans = v
+			}
+		}
+	}
+	return c
+}
+
+func (c netCounters) sub(o netCounters) netCounters {
+	return netCounters{c.overflows - o.overflows, c.drops - o.drops, c.cookies - o.cookies, c.reqQDrops - o.reqQDrops, c.synRetrans - o.synRetrans}
+}
+
+func (c netCounters) String() string {
+	return fmt.Sprintf("ListenOverflows %d, ListenDrops %d, syncookies %d, SYN drops %d, SYN retransmits %d",
+		c.overflows, c.drops, c.cookies, c.reqQDrops, c.synRetrans)
+}
+
+// backlog reports a listening socket's backlog as ss shows it (Send-Q of a LISTEN line).
+func backlog(addr string) string {
+	_, port, _ := net.SplitHostPort(addr)
+	out, err := exec.Command("ss", "-ltnH", "sport = :"+port).Output()
+	if f := strings.Fields(string(out)); err == nil && len(f) >= 3 {
+		return f[2]
+	}
+	return "?"
+}
+
+// sysctl reads one kernel setting for the report.
+func sysctl(name string) string {
+	b, err := os.ReadFile("/proc/sys/" + strings.ReplaceAll(name, ".", "/"))
+	if err != nil {
+		return "?"
+	}
+	return strings.Join(strings.Fields(string(b)), " ")
 }
 
 // median returns the round with the median throughput.
@@ -368,6 +469,14 @@ func median(rs []result) result {
 		return 0
 	})
 	return rs[len(rs)/2]
+}
+
+// breakdown formats a churn result's three parts.
+func breakdown(r result) string {
+	part := func(name string, l []time.Duration) string {
+		return fmt.Sprintf("%s %s/%s/%s", name, fmtDur(pct(l, 50)), fmtDur(pct(l, 99)), fmtDur(pct(l, 100)))
+	}
+	return part("connect", r.connect) + "  " + part("ACQ4ME", r.acq) + "  " + part("RELEASE", r.release)
 }
 
 func fmtDur(d time.Duration) string {
@@ -410,12 +519,37 @@ func (c *client) call(req, want string) error {
 	return nil
 }
 
+// measureServer is measure with the CPU time both sides used.
+func measureServer(srv *server, mode string, n int, d time.Duration, maxCycles int64) (result, error) {
+	s0, c0 := procCPU(srv.cmd.Process.Pid), procCPU(os.Getpid())
+	r, err := measure(srv.addr, mode, n, d, maxCycles)
+	r.serverCPU, r.selfCPU = procCPU(srv.cmd.Process.Pid)-s0, procCPU(os.Getpid())-c0
+	return r, err
+}
+
+// procCPU is a process's user + system CPU time so far, from /proc/PID/stat (0 if unknown).
+func procCPU(pid int) time.Duration {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// Fields after the command name (which may hold spaces) start after the last ')'.
+	f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
+	if len(f) < 13 {
+		return 0
+	}
+	ut, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(ut+st) * time.Second / 100 // USER_HZ is 100 on Linux
+}
+
 // measure runs n workers of one mode until the duration or the cycle budget is used up.
 func measure(addr, mode string, n int, d time.Duration, maxCycles int64) (result, error) {
 	var budget atomic.Int64
 	budget.Store(maxCycles)
 	var errs atomic.Int64
 	lats := make([][]time.Duration, n)
+	phases := make([][3][]time.Duration, n)
 	clients := make([]*client, n)
 	if mode != "churn" {
 		for i := range clients {
@@ -447,6 +581,7 @@ func measure(addr, mode string, n int, d time.Duration, maxCycles int64) (result
 		go func(i int) {
 			defer wg.Done()
 			lat := make([]time.Duration, 0, 1024)
+			var ph [3][]time.Duration
 			<-start
 			deadline := time.Now().Add(d)
 			for ctx.Err() == nil && time.Now().Before(deadline) && budget.Add(-1) >= 0 {
@@ -459,8 +594,10 @@ func measure(addr, mode string, n int, d time.Duration, maxCycles int64) (result
 						break
 					}
 				}
+				t1 := time.Now()
 				c.conn.SetDeadline(t0.Add(30 * time.Second)) //nolint:errcheck // a failed set shows up as a timeout
 				err := c.call(acq, "LOCKED\n")
+				t2 := time.Now()
 				if err == nil {
 					err = c.call("RELEASE\n", "RELEASED\n")
 				}
@@ -471,20 +608,30 @@ func measure(addr, mode string, n int, d time.Duration, maxCycles int64) (result
 					fail(err)
 					break
 				}
-				lat = append(lat, time.Since(t0))
+				t3 := time.Now()
+				lat = append(lat, t3.Sub(t0))
+				if mode == "churn" {
+					ph[0], ph[1], ph[2] = append(ph[0], t1.Sub(t0)), append(ph[1], t2.Sub(t1)), append(ph[2], t3.Sub(t2))
+				}
 			}
-			lats[i] = lat
+			lats[i], phases[i] = lat, ph
 		}(i)
 	}
+	before := readNetCounters()
 	t0 := time.Now()
 	close(start)
 	wg.Wait()
-	r := result{elapsed: time.Since(t0), errors: errs.Load()}
-	for _, l := range lats {
+	r := result{elapsed: time.Since(t0), errors: errs.Load(), net: readNetCounters().sub(before)}
+	for i, l := range lats {
 		r.lat = append(r.lat, l...)
+		r.connect = append(r.connect, phases[i][0]...)
+		r.acq = append(r.acq, phases[i][1]...)
+		r.release = append(r.release, phases[i][2]...)
 	}
 	r.cycles = int64(len(r.lat))
-	slices.Sort(r.lat)
+	for _, l := range [][]time.Duration{r.lat, r.connect, r.acq, r.release} {
+		slices.Sort(l)
+	}
 	if firstErr != nil && r.cycles == 0 {
 		return r, firstErr
 	}

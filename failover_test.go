@@ -1,0 +1,617 @@
+// failover_test.go: losing a machine. A primary with a synchronous standby (two private
+// clusters of scripts/pg-private) failed over mid-run, a start against standbys only, a
+// standby dispatcher that takes over from a SIGKILLed one and fences a frozen one, and the
+// SIGTERM grace that must not charge a hung message. Real processes and real servers only.
+
+package main
+
+import (
+	"bufio"
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"pepsi-dispatch/internal/pgtest"
+	"pepsi-dispatch/internal/schemafile"
+
+	"github.com/lib/pq"
+)
+
+// pgPair is a primary and its synchronous standby, two private clusters of one test. The
+// roles swap at each failover: node[primary] is the primary.
+type pgPair struct {
+	t       testing.TB
+	script  string
+	dirs    [2]string
+	ports   [2]string
+	primary int
+}
+
+// newPGPair starts a primary and a synchronous standby (pg_basebackup -R) for t; both are
+// stopped and removed when t ends.
+func newPGPair(t *testing.T) *pgPair {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("starts two PostgreSQL clusters")
+	}
+	root, err := os.MkdirTemp("", "pepsi-test-pair-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(root, 0o755) // the clusters run as another account when the tests run as root
+	p := &pgPair{t: t, script: filepath.Join(testPG.Root(), "scripts/pg-private")}
+	p.dirs = [2]string{filepath.Join(root, "n0"), filepath.Join(root, "n1")}
+	t.Cleanup(func() {
+		for _, d := range p.dirs {
+			exec.Command(p.script, "stop", d).Run() // best effort: the directory goes anyway
+		}
+		os.RemoveAll(root)
+	})
+	p.run("start", p.dirs[0])
+	p.run("standby", p.dirs[1], p.dirs[0])
+	for i, d := range p.dirs {
+		b, err := os.ReadFile(filepath.Join(d, "port"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.ports[i] = strings.TrimSpace(string(b))
+	}
+	return p
+}
+
+func (p *pgPair) run(args ...string) {
+	p.t.Helper()
+	start := time.Now()
+	out, err := exec.Command(p.script, args...).CombinedOutput()
+	if err != nil {
+		p.t.Fatalf("pg-private %v: %v\n%s", args, err, out)
+	}
+	p.t.Logf("pg-private %s %s: %v", args[0], filepath.Base(args[1]), time.Since(start).Round(time.Millisecond))
+}
+
+// dsn lists the nodes in the given order (node indexes), with extra parameters appended.
+func (p *pgPair) dsn(order []int, extra string) string {
+	var hosts, ports []string
+	for _, i := range order {
+		hosts, ports = append(hosts, p.dirs[i]), append(ports, p.ports[i])
+	}
+	return fmt.Sprintf("host=%s port=%s user=postgres dbname=postgres sslmode=disable %s",
+		strings.Join(hosts, ","), strings.Join(ports, ","), extra)
+}
+
+// nodeDB opens one node alone (for looking at a standby).
+func (p *pgPair) nodeDB(i int) *sql.DB {
+	db, err := sql.Open("postgres", fmt.Sprintf("host=%s port=%s user=postgres dbname=postgres sslmode=disable", p.dirs[i], p.ports[i]))
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	p.t.Cleanup(func() { db.Close() })
+	return db
+}
+
+// schema creates a fresh schema with schema.sql on the primary. Its DB follows the primary
+// (target_session_attrs=read-write) and keeps no idle connection, so no query of the test
+// meets a connection that a failover cut.
+func (p *pgPair) schema(t *testing.T) *testSchema {
+	t.Helper()
+	name := fmt.Sprintf("ha_%d", time.Now().UnixNano()%1e9)
+	admin := p.nodeDB(p.primary)
+	pgtest.Exec(t, admin, "CREATE SCHEMA "+name)
+	ddl, err := schemafile.Read(filepath.Join(testPG.Root(), "schema.sql")) // with its \ir includes
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts := fmt.Sprintf("options='-c search_path=%s'", name)
+	db, err := sql.Open("postgres", p.dsn([]int{0, 1}, "target_session_attrs=read-write "+opts))
+	if err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxIdleConns(0)
+	t.Cleanup(func() { db.Close() })
+	pgtest.Exec(t, db, ddl)
+	return &testSchema{Name: name, DSN: p.dsn([]int{0, 1}, "target_session_attrs=read-write "+opts), DB: db}
+}
+
+// killPrimary stops the primary at once, as a crash would.
+func (p *pgPair) killPrimary() { p.t.Helper(); p.run("kill", p.dirs[p.primary]) }
+
+// promote promotes the standby: it becomes the primary, alone.
+func (p *pgPair) promote() {
+	p.t.Helper()
+	p.primary = 1 - p.primary
+	p.run("promote", p.dirs[p.primary])
+}
+
+// rebuildStandby makes the old primary a synchronous standby of the new one again.
+func (p *pgPair) rebuildStandby() {
+	p.t.Helper()
+	p.run("standby", p.dirs[1-p.primary], p.dirs[p.primary])
+}
+
+// advisoryLocks counts pepsi's single-instance locks held on node i.
+func (p *pgPair) advisoryLocks(i int) int {
+	var n int
+	err := p.nodeDB(i).QueryRow(`SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1 AND granted`,
+		lockClass).Scan(&n)
+	if err != nil {
+		return -1
+	}
+	return n
+}
+
+// poll is a count that tolerates the moments when no primary answers: -1 then.
+func poll(s *testSchema, query string, args ...any) int {
+	var n int
+	if err := s.DB.QueryRow(query, args...).Scan(&n); err != nil {
+		return -1
+	}
+	return n
+}
+
+// TestFailoverMidRun: the primary is stopped at once mid-run and the standby promoted after
+// 0.5 s, 15 s, then 0.5 s again, under one dispatcher that is never restarted. Every message
+// ends done, each (message, stage) is committed once (the stage logs its run in the
+// transaction of its outcome), no row is left running, and no attempt is charged.
+func TestFailoverMidRun(t *testing.T) {
+	p := newPGPair(t)
+	s := p.schema(t)
+	s.exec(t, runsDDL)
+	const batch = 150
+	d := startDaemon(t, threeStages(t, s), "pipeline")
+	d.waitLog("dispatching", 60*time.Second)
+	delays := []time.Duration{500 * time.Millisecond, 15 * time.Second, 500 * time.Millisecond}
+	for i, delay := range delays {
+		enqueue(t, s, "a", batch, `{"sleep_ms": 20}`)
+		want := i*batch + batch/10
+		waitFor(t, 120*time.Second, "the batch under way", func() bool { return poll(s, `SELECT count(*) FROM runs`) >= want })
+		p.killPrimary()
+		// The outage itself: how long no server accepts writes is what this loop varies.
+		time.Sleep(delay)
+		start := time.Now()
+		p.promote()
+		promoted := time.Now() // the new primary accepts connections by now
+		waitFor(t, 30*time.Second, "LISTEN back on the new primary", func() bool {
+			return strings.Count(d.log.String(), "LISTEN connection back") >= i+1
+		})
+		if late := time.Since(promoted); late > time.Second {
+			t.Errorf("failover %d: notifications back %v after the new primary accepted connections, want within 1 s", i+1, late)
+		}
+		waitFor(t, 60*time.Second, "the lock re-taken on the new primary", func() bool {
+			return strings.Count(d.log.String(), "single-instance lock taken again") >= i+1
+		})
+		t.Logf("failover %d (outage %v): lock re-taken %v after the promotion began (pg_ctl promote -w took part of it)",
+			i+1, delay, time.Since(start).Round(time.Millisecond))
+		p.rebuildStandby()
+	}
+	n := len(delays) * batch
+	waitFor(t, 180*time.Second, "every message done", func() bool { return poll(s, `SELECT count(*) FROM workqueue WHERE status = 'done'`) == n })
+	checkExactlyOnce(t, s, n)
+	if c := s.count(t, `SELECT count(*) FROM workqueue WHERE attempts <> 0`); c != 0 {
+		t.Errorf("%d messages were charged an attempt for the outage", c)
+	}
+	if r := countStatus(t, s, "running"); r != 0 {
+		t.Errorf("%d rows left running", r)
+	}
+	select {
+	case <-d.done:
+		t.Fatalf("the dispatcher exited (status %d); it must ride the failovers out", d.status)
+	default:
+	}
+	var reconciles []string
+	for _, l := range strings.Split(d.log.String(), "\n") {
+		if strings.Contains(l, "reconciled the table with memory") || strings.Contains(l, "no attempt charged") {
+			reconciles = append(reconciles, l)
+		}
+	}
+	if len(reconciles) == 0 {
+		t.Errorf("no reconcile logged")
+	}
+	t.Logf("reconciles and outage retries:\n%s", strings.Join(reconciles, "\n"))
+	d.stop()
+}
+
+// TestFailoverStartOnStandby: the standby is first in the DSN, with and without
+// target_session_attrs=read-write, while no host accepts writes (the primary is down): the
+// dispatcher waits, saying why, and never takes its lock on the standby; once the standby is
+// promoted it takes the lock there and runs.
+func TestFailoverStartOnStandby(t *testing.T) {
+	p := newPGPair(t)
+	for _, attrs := range []string{"target_session_attrs=read-write", ""} {
+		name := "with read-write"
+		if attrs == "" {
+			name = "without attributes"
+		}
+		t.Run(name, func(t *testing.T) {
+			s := p.schema(t)
+			s.exec(t, runsDDL)
+			enqueue(t, s, "a", 20, `{}`)
+			p.killPrimary()
+			standby := 1 - p.primary
+			dsn := p.dsn([]int{standby, p.primary}, attrs+" options='-c search_path="+s.Name+"'")
+			conf := strings.Replace(baseConf(s, ""), s.DSN, dsn, 1) + stageConf(t, "a", "", "")
+			d := startDaemon(t, conf, "pipeline")
+			d.waitLog("no writable database server yet; waiting for one", 60*time.Second)
+			start := time.Now()
+			waitFor(t, 30*time.Second, "3 s of waiting without a lock on the standby", func() bool {
+				if n := p.advisoryLocks(standby); n != 0 {
+					t.Fatalf("%d single-instance locks on the standby", n)
+				}
+				return time.Since(start) > 3*time.Second
+			})
+			select {
+			case <-d.done:
+				t.Fatalf("exited with %d while waiting for a primary", d.status)
+			default:
+			}
+			// The lock statement itself refuses a standby, whatever the DSN says.
+			conn, err := p.nodeDB(standby).Conn(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, _, err := takeLock(context.Background(), conn, 1, false); !errors.Is(err, errReadOnly) {
+				t.Errorf("takeLock on the standby: %v, want errReadOnly", err)
+			}
+			conn.Close()
+			if n := p.advisoryLocks(standby); n != 0 {
+				t.Fatalf("%d single-instance locks on the standby after takeLock", n)
+			}
+			p.promote()
+			waitFor(t, 60*time.Second, "all done on the promoted standby", func() bool {
+				return poll(s, `SELECT count(*) FROM workqueue WHERE status = 'done'`) == 20
+			})
+			if n := p.advisoryLocks(p.primary); n != 1 {
+				t.Errorf("%d single-instance locks on the new primary, want 1", n)
+			}
+			checkRunsOnce(t, s, 20)
+			d.stop()
+			p.rebuildStandby()
+		})
+	}
+}
+
+// checkRunsOnce: each of n messages of a one-stage pipeline ran exactly once.
+func checkRunsOnce(t *testing.T, s *testSchema, n int) {
+	t.Helper()
+	if bad := s.count(t, `SELECT count(*) FROM (SELECT id FROM runs GROUP BY id HAVING count(*) <> 1) x`); bad != 0 {
+		t.Errorf("%d messages ran other than once", bad)
+	}
+	if runs := s.count(t, `SELECT count(DISTINCT id) FROM runs`); runs != n {
+		t.Errorf("%d messages ran, want %d", runs, n)
+	}
+}
+
+// scrape returns the /metrics body at addr, "" while it does not answer.
+func scrape(addr string) string {
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		return ""
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+// takeoverBound is the documented bound (doc/high-availability.md) for a standby to take over
+// from a holder whose process died on a live machine: the server sees the socket close, the
+// standby's lock wait returns, the fence finds the dead holder's workers gone.
+const takeoverBound = 5 * time.Second
+
+// TestStandbyTakesOverAfterSigkill: with STANDBY = yes a second serve waits (log, /metrics),
+// and takes over within the bound when the first is SIGKILLed; nothing is lost or run twice.
+func TestStandbyTakesOverAfterSigkill(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	const n = 600
+	conf := strings.Replace(threeStages(t, s), "SHUTDOWN_GRACE = 5", "SHUTDOWN_GRACE = 5\nSTANDBY = yes", 1)
+	first := startDaemon(t, conf, "pipeline")
+	first.waitLog("single-instance lock taken", 30*time.Second)
+	addr := freePort(t)
+	second := startDaemon(t, strings.Replace(conf, "STANDBY = yes", "STANDBY = yes\nMETRICS_LISTEN = "+addr, 1), "pipeline")
+	second.waitLog("standby: another dispatcher holds the single-instance lock; waiting for it", 30*time.Second)
+	waitFor(t, 10*time.Second, "standby role in /metrics", func() bool {
+		return strings.Contains(scrape(addr), `pepsi_lock_role{role="standby"} 1`)
+	})
+	if !strings.Contains(second.log.String(), fmt.Sprintf("pid %d", first.cmd.Process.Pid)) {
+		t.Errorf("the standby's log does not name the holder (pid %d)", first.cmd.Process.Pid)
+	}
+	enqueue(t, s, "a", n, `{"sleep_ms": 2}`)
+	waitFor(t, 60*time.Second, "some progress", func() bool { return countStatus(t, s, "done") > n/5 })
+	start := time.Now()
+	first.cmd.Process.Signal(syscall.SIGKILL)
+	second.waitLog("took over the single-instance lock", 30*time.Second)
+	took := time.Since(start)
+	t.Logf("takeover after SIGKILL: %v", took.Round(time.Millisecond))
+	if took > takeoverBound {
+		t.Errorf("takeover took %v, documented bound %v", took, takeoverBound)
+	}
+	waitFor(t, 120*time.Second, "all done after the takeover", func() bool { return countStatus(t, s, "done") == n })
+	checkExactlyOnce(t, s, n)
+	body := scrape(addr)
+	for _, want := range []string{`pepsi_lock_role{role="active"} 1`, `pepsi_lock_role{role="standby"} 0`,
+		"pepsi_database_server_info{server=", "pepsi_takeovers_total 1"} {
+		if !strings.Contains(body, want) {
+			t.Errorf("metrics lack %q:\n%s", want, body)
+		}
+	}
+	second.stop()
+}
+
+// fenceWorker is a stage that reconnects (database/sql does) and so, thawed after its
+// dispatcher lost the system, would commit if nothing stopped it. Each message: sleep
+// payload.sleep_ms, then one transaction with the run and the guarded outcome, then a row in
+// tries (outside that transaction) saying whether it committed.
+func fenceWorker() int {
+	db, err := sql.Open("postgres", os.Getenv("PEPSI_DSN"))
+	if err != nil {
+		return 2
+	}
+	defer db.Close()
+	st := os.Getenv("PEPSI_STAGE")
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		id, _ := strconv.ParseInt(in.Text(), 10, 64)
+		var payload []byte
+		if err := db.QueryRow(`SELECT coalesce(payload, '{}') FROM workqueue WHERE workqueue_id = $1`, id).Scan(&payload); err != nil {
+			fmt.Printf("1 load: %v\n", err)
+			continue
+		}
+		var b struct {
+			SleepMs int `json:"sleep_ms"`
+		}
+		json.Unmarshal(payload, &b)
+		time.Sleep(time.Duration(b.SleepMs) * time.Millisecond)
+		err := func() error {
+			tx, err := db.Begin()
+			if err != nil {
+				return err
+			}
+			defer tx.Rollback() // after a Commit, a no-op
+			if _, err := tx.Exec(`INSERT INTO runs (id, stage, pid) VALUES ($1, $2, $3)`, id, st, os.Getpid()); err != nil {
+				return err
+			}
+			res, err := tx.Exec(`UPDATE workqueue SET status = 'done' WHERE workqueue_id = $1 AND status = 'running' AND stage = $2`, id, st)
+			if err != nil {
+				return err
+			}
+			if n, _ := res.RowsAffected(); n != 1 {
+				return fmt.Errorf("claim gone")
+			}
+			return tx.Commit()
+		}()
+		db.Exec(`INSERT INTO tries (id, pid, ok, err) VALUES ($1, $2, $3, $4)`, id, os.Getpid(), err == nil, fmt.Sprint(err))
+		if err != nil {
+			fmt.Printf("1 %s\n", strings.ReplaceAll(err.Error(), "\n", " "))
+			continue
+		}
+		fmt.Println("0")
+	}
+	return 0
+}
+
+func init() { testWorkers["fence"] = fenceWorker }
+
+// TestStandbyFencesFrozenHolder: the active dispatcher and its workers are frozen (SIGSTOP)
+// mid-message, their sessions ended from the server; the standby takes over and claims the
+// same messages again. Thawed, the old workers try to commit (onto rows the new dispatcher has
+// claimed at the same stage) and are refused; the old dispatcher finds out it lost the lock
+// and exits 1. Each message runs once, by the new dispatcher's workers.
+func TestStandbyFencesFrozenHolder(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	s.exec(t, `CREATE TABLE tries (id bigint, pid int, ok bool, err text)`)
+	key := int32(uint32(s.count(t, `SELECT to_regclass('workqueue')::oid::bigint`))) // as systemKey folds it
+	extra := "STANDBY = yes\nMAX_RUNTIME = 60"
+	stage := stageConf(t, "a", "", "PARALLELISM = 2\nQUEUE_LIMIT = 1")
+	first := startDaemon(t, baseConf(s, extra)+stage, "fence")
+	first.waitLog("single-instance lock taken", 30*time.Second)
+	// The standby connects over TCP, the first over the Unix socket: that is how the test
+	// tells their sessions apart on the server.
+	tcp := strings.Replace(s.DSN, "host="+testPG.Dir(), "host=127.0.0.1", 1)
+	if tcp == s.DSN {
+		t.Skip("PEPSI_TEST_DSN is not the private cluster's socket DSN")
+	}
+	second := startDaemon(t, strings.Replace(baseConf(s, extra), s.DSN, tcp, 1)+stage, "fence")
+	second.waitLog("standby: another dispatcher holds the single-instance lock", 30*time.Second)
+
+	insertOne(t, s, "a", `{"sleep_ms": 3000}`)
+	insertOne(t, s, "a", `{"sleep_ms": 3000}`)
+	waitFor(t, 30*time.Second, "both messages running under the first", func() bool { return countStatus(t, s, "running") == 2 })
+	oldClaims := s.count(t, `SELECT max(claim) FROM workqueue`)
+	old := workerPids(t, first)
+	if len(old) != 2 {
+		t.Fatalf("%d workers under the first dispatcher, want 2", len(old))
+	}
+	signalAll := func(sig syscall.Signal, pids ...int) {
+		for _, pid := range pids {
+			syscall.Kill(-pid, sig) // each worker leads its own process group
+		}
+	}
+	first.cmd.Process.Signal(syscall.SIGSTOP)
+	signalAll(syscall.SIGSTOP, old...)
+	defer signalAll(syscall.SIGCONT, old...)
+	defer first.cmd.Process.Signal(syscall.SIGCONT)
+	killed := s.count(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+		WHERE client_addr IS NULL AND application_name LIKE 'pepsi-% ' || $1::text || '%'`, strconv.Itoa(int(key)))
+	t.Logf("terminated %d sessions of the frozen dispatcher", killed)
+	second.waitLog("took over the single-instance lock", 30*time.Second)
+	waitFor(t, 30*time.Second, "both messages claimed again by the second", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'running' AND claim > $1`, oldClaims) == 2
+	})
+	signalAll(syscall.SIGCONT, old...)
+	waitFor(t, 30*time.Second, "the old workers' attempts to commit", func() bool {
+		return s.count(t, `SELECT count(*) FROM tries WHERE pid = ANY ($1)`, intArray(old)) == 2
+	})
+	if n := s.count(t, `SELECT count(*) FROM tries WHERE pid = ANY ($1) AND ok`, intArray(old)); n != 0 {
+		t.Errorf("%d commits by the frozen dispatcher's workers after the takeover", n)
+	}
+	if !strings.Contains(s.count0(t, `SELECT string_agg(err, ' | ') FROM tries WHERE pid = ANY ($1)`, intArray(old)), "pepsi fence") {
+		t.Errorf("the old workers were not refused by the fence: %s", s.count0(t, `SELECT string_agg(ok::text || ' ' || err, ' | ') FROM tries`))
+	}
+	first.cmd.Process.Signal(syscall.SIGCONT)
+	if st := first.wait(60 * time.Second); st != 1 {
+		t.Errorf("the thawed dispatcher exited with %d, want 1", st)
+	}
+	if !strings.Contains(first.log.String(), "single-instance lock lost") {
+		t.Errorf("the thawed dispatcher does not say it lost the lock")
+	}
+	waitFor(t, 60*time.Second, "both done by the second", func() bool { return countStatus(t, s, "done") == 2 })
+	checkRunsOnce(t, s, 2)
+	if n := s.count(t, `SELECT count(*) FROM runs WHERE pid = ANY ($1)`, intArray(old)); n != 0 {
+		t.Errorf("%d runs committed by the frozen dispatcher's workers", n)
+	}
+	second.stop()
+}
+
+// intArray is a PostgreSQL int[] literal of pids.
+func intArray(pids []int) string {
+	s := make([]string, len(pids))
+	for i, p := range pids {
+		s[i] = strconv.Itoa(p)
+	}
+	return "{" + strings.Join(s, ",") + "}"
+}
+
+// count0 runs a query returning one text (NULL as "").
+func (s *testSchema) count0(t testing.TB, query string, args ...any) string {
+	t.Helper()
+	var v sql.NullString
+	if err := s.DB.QueryRow(query, args...).Scan(&v); err != nil {
+		t.Fatalf("%s: %v", query, err)
+	}
+	return v.String
+}
+
+// TestSigtermHungPastMaxRuntime: a message that hangs past MAX_RUNTIME during the SIGTERM
+// grace is put back to pending, attempts unchanged: a stop is not a failure of the message.
+func TestSigtermHungPastMaxRuntime(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	conf := strings.Replace(baseConf(s, "MAX_RUNTIME = 2"), "SHUTDOWN_GRACE = 5", "SHUTDOWN_GRACE = 20", 1)
+	d := startDaemon(t, conf+stageConf(t, "a", "", "PARALLELISM = 1"), "pipeline")
+	warmUp(t, s, "a")
+	id := insertOne(t, s, "a", `{"hang_at": "a"}`)
+	waitFor(t, 30*time.Second, "the hanging message running", func() bool { return row(t, s, id).status == "running" })
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	d.waitLog("message ran past MAX_RUNTIME", 30*time.Second)
+	if st := d.wait(30 * time.Second); st != 0 {
+		t.Fatalf("exit %d after SIGTERM, want 0", st)
+	}
+	r := row(t, s, id)
+	if r.status != "pending" || r.attempts != 0 || r.reason != "" {
+		t.Errorf("hung message after the grace: %+v, want pending with no attempt and no error", r)
+	}
+}
+
+// TestReconcileAfterRelock: a row left running by a claim whose reply the dispatcher never
+// saw (the claim committed as the connection broke) is put back to pending by the reconcile
+// that follows the re-lock, and runs; the reconcile's counts reach the log and /metrics.
+func TestReconcileAfterRelock(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	addr := freePort(t)
+	d := startDaemon(t, baseConf(s, "METRICS_LISTEN = "+addr)+stageConf(t, "a", "", ""), "pipeline")
+	warmUp(t, s, "a")
+	// What the lost reply leaves behind: running under a claim token the dispatcher never
+	// learnt. It is not in any worker's queue, so nothing would ever finish it.
+	// (Inserted paused far in the future, so that the dispatcher does not claim it first.)
+	var id int64
+	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, status, retry_at) VALUES ('a', 'paused', now() + interval '1 day')
+		RETURNING workqueue_id`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	s.exec(t, `UPDATE workqueue SET status = 'running', retry_at = NULL, claim = nextval('workqueue_claim_seq'), claimed_at = now()
+		WHERE workqueue_id = $1`, id)
+	// The dispatcher loses its lock connection (as in a failover) and takes the lock again.
+	s.exec(t, `SELECT pg_terminate_backend(l.pid) FROM pg_locks l
+		WHERE l.locktype = 'advisory' AND l.classid = $1 AND l.objid = to_regclass('workqueue')::oid::bigint`, lockClass)
+	d.waitLog("single-instance lock taken again", 60*time.Second)
+	d.waitLog("reconciled the table with memory", 10*time.Second)
+	if !strings.Contains(d.log.String(), "running_reset=1 ") {
+		t.Errorf("the reconcile did not reset the one running row nobody held")
+	}
+	waitFor(t, 30*time.Second, "the orphan done", func() bool { return row(t, s, id).status == "done" })
+	if r := row(t, s, id); r.attempts != 0 {
+		t.Errorf("orphan charged %d attempts", r.attempts)
+	}
+	waitFor(t, 10*time.Second, "reconcile counts in /metrics", func() bool {
+		b := scrape(addr)
+		return strings.Contains(b, "pepsi_reconciles_total 1") && strings.Contains(b, "pepsi_reconcile_reset_total 1") &&
+			strings.Contains(b, `pepsi_lock_role{role="active"} 1`)
+	})
+	d.stop()
+}
+
+// TestFenceRefusesAnotherEpoch: schema.sql's pepsi_fence refuses writes from a worker or a
+// dispatcher pool of another epoch than dispatch_instance's, and nobody else's.
+func TestFenceRefusesAnotherEpoch(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `UPDATE dispatch_instance SET epoch = 5`)
+	id := insertOne(t, s, "a", `{}`)
+	for _, c := range []struct {
+		app     string
+		refused bool
+	}{
+		{"pepsi-worker 77 4", true}, {"pepsi-dispatch 77 4", true}, {"pepsi-worker -77 6", true},
+		{"pepsi-worker 77 5", false}, {"pepsi-dispatch 77 5", false},
+		{"pepsi-dispatch 77", false}, {"pepsi-worker 77", false}, {"psql", false},
+	} {
+		conn, err := s.DB.Conn(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := conn.ExecContext(context.Background(), `SELECT set_config('application_name', $1, false)`, c.app); err != nil {
+			t.Fatal(err)
+		}
+		for _, q := range []string{
+			`UPDATE workqueue SET payload = '{}' WHERE workqueue_id = ` + strconv.FormatInt(id, 10),
+			`INSERT INTO workqueue (stage) VALUES ('a')`,
+			`UPDATE dispatch_stats SET claims = claims`,
+			`UPDATE stage_stats SET processed = processed`,
+		} {
+			_, err := conn.ExecContext(context.Background(), q)
+			var pe *pq.Error
+			refused := errors.As(err, &pe) && pe.Code == "PD001"
+			if refused != c.refused || (err != nil && !refused) {
+				t.Errorf("%s: %s: %v, want refused=%v", c.app, q, err, c.refused)
+			}
+		}
+		conn.Close()
+	}
+}
+
+// refusedWorker fails every message with words that an outage of the database also uses.
+func refusedWorker() int {
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		fmt.Println("1 post to the mail relay: dial tcp 10.0.0.1:25: connect: connection refused")
+	}
+	return 0
+}
+
+func init() { testWorkers["refused"] = refusedWorker }
+
+// TestOutageWordsWithoutOutage: a stage failing with "connection refused" while the
+// dispatcher's database is fine is charged as usual (retried, then failed), not taken for an
+// outage and retried for ever without an attempt.
+func TestOutageWordsWithoutOutage(t *testing.T) {
+	s := newTestSchema(t)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "MAX_ATTEMPTS = 2\nRETRY_DELAY = 0.1"), "refused")
+	id := insertOne(t, s, "a", `{}`)
+	waitFor(t, 30*time.Second, "the message failed", func() bool { return row(t, s, id).status == "failed" })
+	if r := row(t, s, id); r.attempts != 2 || !strings.Contains(r.reason, "connection refused") {
+		t.Errorf("row %+v, want failed after 2 attempts with the stage's reason", r)
+	}
+	d.stop()
+}

@@ -1,0 +1,135 @@
+// reconcile.go: after every re-lock, before the next claim, the table is made to agree with
+// what the coordinator holds in memory.
+//
+// A lost lock connection leaves two kinds of disagreement. A claim whose COMMIT reached the
+// server (and, with a synchronous standby, the standby) while its reply was lost left rows
+// running that no worker holds: nobody would ever finish them. A commit lost with an
+// asynchronous standby, or an operator's write meanwhile, left messages in workers' queues
+// whose rows are no longer running under our claim: whatever is written for them must be a
+// no-op. The dispatcher is the only claimer (instance.go), so every running row it does not
+// hold is an orphan, and the reconcile is safe while workers go on (their commits move rows
+// out of 'running', never into it). It runs on the coordinator goroutine, on the lock
+// connection, and owns nothing of its own.
+
+package main
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/lib/pq"
+)
+
+// reconcileSQL reads the running rows: every claim of this system. There is no index on
+// running rows (schema.sql says why), so this is one scan of the table, once per re-lock: the
+// price of a failover, not of every claim.
+const reconcileSQL = `SELECT workqueue_id, stage, claim FROM workqueue WHERE status = 'running'`
+
+// orphanResetSQL puts running rows that nobody holds back to pending, attempts unchanged,
+// under the (status, stage, claim) guard of every dispatcher write.
+const orphanResetSQL = `
+UPDATE workqueue q SET status = 'pending'
+  FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, stage, claim)
+ WHERE q.workqueue_id = f.id AND q.status = 'running' AND q.stage = f.stage AND coalesce(q.claim, 0) = f.claim`
+
+// reconcileCounts is what one reconcile did.
+type reconcileCounts struct {
+	reset         int64 // running rows not held, back to pending
+	forgotten     int   // held messages whose row is no longer our claim
+	outageRetried int   // queued failures of the outage, turned into resets (no attempt)
+}
+
+// reconcile brings the table and the coordinator's memory into agreement; false when the
+// database refused (the caller treats it like any refused statement).
+func (c *coordinator) reconcile() (reconcileCounts, error) {
+	var n reconcileCounts
+	// Failures still queued now were reported while the database was away, or could not be
+	// written before it went: the outage interrupted them. They are retried, not charged.
+	for _, f := range c.failures {
+		c.resets = append(c.resets, f.m)
+	}
+	n.outageRetried = len(c.failures)
+	c.failures = c.failures[:0]
+
+	type key struct {
+		id    int64
+		stage string
+		claim int64
+	}
+	held := map[key]*message{}
+	for _, w := range c.workers {
+		for _, m := range w.queue {
+			held[key{m.id, m.stage, m.claim}] = m
+		}
+	}
+	for _, m := range c.resets {
+		held[key{m.id, m.stage, m.claim}] = m
+	}
+	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
+	defer cancel()
+	rows, err := c.inst.conn.QueryContext(ctx, reconcileSQL)
+	if err != nil {
+		return n, fmt.Errorf("reconcile: read running rows: %w", err)
+	}
+	var ids, claims []int64
+	var stages []string
+	seen := map[key]bool{}
+	for rows.Next() {
+		var k key
+		var claim *int64
+		if err := rows.Scan(&k.id, &k.stage, &claim); err != nil {
+			rows.Close()
+			return n, fmt.Errorf("reconcile: read running rows: %w", err)
+		}
+		if claim != nil {
+			k.claim = *claim
+		}
+		if held[k] != nil {
+			seen[k] = true
+			continue
+		}
+		ids, stages, claims = append(ids, k.id), append(stages, k.stage), append(claims, k.claim)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return n, fmt.Errorf("reconcile: read running rows: %w", err)
+	}
+	for k, m := range held {
+		if !seen[k] && !m.forgotten {
+			// Its row moved on (the stage committed before the outage: its reply is still to
+			// come) or went back in time (lost with an asynchronous standby). Either way every
+			// write for it is a guarded no-op now; say so once and do not count it as a failure.
+			m.forgotten = true
+			n.forgotten++
+		}
+	}
+	if len(ids) > 0 {
+		// A running row without a claim token (claimed by a version before tokens) is read
+		// and guarded as token 0.
+		res, err := c.inst.conn.ExecContext(ctx, orphanResetSQL, pq.Array(ids), pq.Array(stages), pq.Array(claims))
+		if err != nil {
+			return n, fmt.Errorf("reconcile: reset %d running rows nobody holds: %w", len(ids), err)
+		}
+		n.reset, _ = res.RowsAffected() // lib/pq always knows the count of an UPDATE
+	}
+	return n, nil
+}
+
+// afterRelock runs the reconcile once the lock is ours again, before the next claim, and
+// reports it; a refusal is handled like any statement the database refused (the claim waits).
+func (c *coordinator) afterRelock() {
+	c.ha.update(func(s *haStatus) { s.role, s.server = "active", c.inst.server })
+	n, err := c.reconcile()
+	if err != nil {
+		c.dbTrouble("reconcile", err)
+		return
+	}
+	c.ha.update(func(s *haStatus) {
+		s.reconciles++
+		s.reset += n.reset
+		s.forgotten += int64(n.forgotten)
+		s.outageRetried += int64(n.outageRetried)
+	})
+	c.log.Info("reconciled the table with memory", "running_reset", n.reset, "forgotten", n.forgotten,
+		"outage_failures_retried", n.outageRetried, "server", c.inst.server)
+}
