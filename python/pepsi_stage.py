@@ -686,10 +686,14 @@ class _Server:
         n = self.failures
         if n > 3 and not _power_of_ten(n):
             return
-        tb = ""
+        where = ""
         if exc is not None and not isinstance(exc, (Fail, ClaimLost, NotNext, OutcomeChosen)):
-            tb = "\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
-        self.log(f"message {id} failed ({n} so far): {reason}{tb}")
+            # One line (the dispatcher logs each line as a record): where it was raised.
+            frames = traceback.extract_tb(exc.__traceback__)
+            if frames:
+                f = frames[-1]
+                where = f" (raised at {os.path.basename(f.filename)}:{f.lineno} in {f.name})"
+        self.log(f"message {id} failed ({n} so far): {_one_line(reason)}{where}")
 
     # --- the loop ------------------------------------------------------------------------
 
