@@ -81,7 +81,7 @@ def handle(m: Message) -> None:
     if do == "commit":
         m.execute("COMMIT")
     if do == "state":
-        m.state["by_" + m.stage] = m.id
+        m.state["by_" + m.stage] = p.get("state_value", m.id)
     if do == "dup":
         try:
             m.execute("INSERT INTO uniq (k) VALUES (1)")

@@ -43,6 +43,7 @@ def test_outcomes(schema: Schema, worker_factory) -> None:
         {"do": "bad_next"},
         {"do": "state", "norecord": True},
         {"do": "advance", "norecord": True},
+        {"do": "state", "norecord": True, "state_value": 'q"uote \\back\\slash {br,ace} NULL é \u2603'},
     ]
     ids = schema.enqueue("a", payloads)
     schema.claim("a", ids)
@@ -51,7 +52,7 @@ def test_outcomes(schema: Schema, worker_factory) -> None:
     got = w.replies(len(ids))
     assert w.close() == 0
     r = rows(schema, ids)
-    adv, done, dfr, split, split0, srange, fail, none, two, bad, st, adv2 = ids
+    adv, done, dfr, split, split0, srange, fail, none, two, bad, st, adv2, tricky = ids
     assert got[0] == "0" and r[adv][:3] == ("b", "pending", 0)
     assert got[1] == "0 done" and r[done][:2] == ("a", "done")
     assert got[2] == "0" and r[dfr][:2] == ("a", "paused") and r[dfr][3]["deferred"] is True
@@ -73,6 +74,7 @@ def test_outcomes(schema: Schema, worker_factory) -> None:
     assert got[9].startswith("1 NotNext: ") and "'nowhere'" in got[9]
     assert got[10] == "0" and r[st][3] == {"by_a": st}
     assert got[11] == "0" and r[adv2][:2] == ("b", "pending")
+    assert got[12] == "0" and r[tricky][3] == {"by_a": payloads[12]["state_value"]}
     # A failed message is left running for the dispatcher to fail; its writes are undone.
     for i in (fail, none, two, bad):
         assert r[i][:3] == ("a", "running", 0)
