@@ -132,3 +132,18 @@ def test_pipeline_kill9(schema: Schema, daemon_factory) -> None:
     assert dup == []
     assert runs() == 3 * n
     assert "worker crashed" in d.log()  # the kill -9 of the worker was seen
+
+
+def test_stats_lost_on_kill9(schema: Schema, daemon_factory) -> None:
+    """dispatch_stats and stage_stats are flushed from memory (every STATS_INTERVAL, when the
+    pipeline goes idle, at shutdown): a dispatcher killed while busy loses what it counted
+    since its last flush, as pepsi-dispatch(1), STATISTICS, says. The rows lose nothing."""
+    schema.enqueue("a", [{"sleep_ms": 20} for _ in range(400)])
+    d = daemon_factory(base_conf(schema, stage_conf("a", PROG, "", "PARALLELISM = 1\nQUEUE_LIMIT = 2")))
+    wait_for("30 messages done", lambda: schema.one("SELECT count(*) FROM runs") >= 30, 120)
+    d.kill9()
+    done = schema.one("SELECT count(*) FROM workqueue WHERE status = 'done'")
+    assert done >= 30
+    runs = schema.one("SELECT coalesce(sum(stage_runs), 0) FROM dispatch_stats")
+    processed = schema.one("SELECT coalesce(sum(processed), 0) FROM stage_stats")
+    assert runs < done and processed < done, (runs, processed, done)
