@@ -8,6 +8,7 @@ payload keys:
   defer_s   seconds for "defer"
   children  payloads for "split"; lo, hi for "split_range"; child the child stage
   sleep_ms  work this long first
+  set_state keys to set in the state before the action
 
 actions: advance, done, defer (once), split, split_range, fanin (read the children's
 outcome, then done), fail, write_fail (record, then fail: the record must roll back), raise,
@@ -63,6 +64,8 @@ def handle(m: Message) -> None:
         os._exit(3)
     if not p.get("norecord"):
         m.execute("INSERT INTO runs (id, stage, pid) VALUES (%s, %s, %s)", (m.id, m.stage, os.getpid()))
+    if p.get("set_state"):
+        m.state.update(p["set_state"])
     if do == "fail":
         raise Fail(f"asked to fail at {m.stage} (attempt {m.attempts + 1})")
     if do == "write_fail":

@@ -249,3 +249,23 @@ def test_connect_failure_exits_1(schema: Schema, worker_factory) -> None:
     assert w.proc.wait(30) == 1
     w._errt.join(5)
     assert b"connect to the database" in w.stderr
+
+
+def test_split_state(schema: Schema, worker_factory) -> None:
+    """fanout_split's state argument replaces the parent's state (NULL keeps it), as
+    pepsi-worker(7) says; the SDK passes the state as loaded plus the handler's changes, so
+    the other keys survive."""
+    ids = schema.enqueue("a", [{}, {}, {"do": "split", "child": "kid", "children": [1], "set_state": {"new": 3}}])
+    schema.q("UPDATE workqueue SET state = '{\"earlier\": 1, \"dispatch_error\": \"x\"}'")
+    schema.claim("a", ids)
+    schema.q("SELECT fanout_split(%s, 'a', 'b', 'kid', '[1]', '{\"mine\": 2}')", (ids[0],))
+    schema.q("SELECT fanout_split(%s, 'a', 'b', 'kid', '[1]')", (ids[1],))
+    w = start(schema, worker_factory)
+    w.send(ids[2:])
+    assert w.replies(1) == ["0"]  # a split answers 0: the message waits, it is not done
+    assert w.close() == 0
+    r = rows(schema, ids)
+    assert r[ids[0]][3] == {"mine": 2}
+    assert r[ids[1]][3] == {"earlier": 1, "dispatch_error": "x"}
+    assert r[ids[2]][3] == {"earlier": 1, "dispatch_error": "x", "new": 3}
+    assert all(r[i][:2] == ("b", "waiting") for i in ids)
