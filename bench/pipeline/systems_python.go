@@ -40,6 +40,15 @@ func (b *bench) pythonSystems() ([]*system, error) {
 			return nil, fmt.Errorf("copy the Python stage: %w", err)
 		}
 	}
+	// The bytecode, compiled once here: a worker that cannot write __pycache__ (nobody, in a
+	// directory it does not own) would compile pepsi_stage.py at every start (~60 ms of CPU).
+	if out, err := exec.Command(pythonInterpreter, "-m", "py_compile", filepath.Join(b.bin, "pepsi_stage.py")).
+		CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("compile pepsi_stage.py: %v\n%s", err, out)
+	}
+	if err := os.Chmod(filepath.Join(b.bin, "__pycache__"), 0o755); err != nil {
+		return nil, err
+	}
 	return []*system{{name: pythonSystem, kind: kindPepsi, label: "pepsi-dispatch, Python SDK",
 		dbname: "bench_workqueue"}}, nil
 }
