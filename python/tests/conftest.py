@@ -147,6 +147,7 @@ class Worker:
     """A stage program driven directly over its pipes, as the dispatcher drives it."""
 
     def __init__(self, program: List[str], env: Dict[str, str]) -> None:
+        self.env = env
         self.proc = subprocess.Popen(program + ["worker"], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.buf = b""
@@ -207,6 +208,9 @@ def worker_factory() -> Iterator[Callable[..., Worker]]:
     yield start
     for w in started:
         w.kill()
+        mark = w.env.get("TEST_MARK_DIR", "")
+        if mark.startswith(tempfile.gettempdir() + "/pepsi-pytest-mark-"):
+            shutil.rmtree(mark, ignore_errors=True)
 
 
 TEST_STAGE = [sys.executable, str(TESTS / "stage_prog.py")]
@@ -295,13 +299,3 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     setattr(item, "rep_" + rep.when, rep)
-
-
-def program_file(text: str) -> str:
-    """Write an executable stage program (a Python script) readable by `nobody`."""
-    d = world_dir("pepsi-pytest-prog-")
-    p = os.path.join(d, "stage.py")
-    with open(p, "w") as f:
-        f.write(text)
-    os.chmod(p, 0o755)
-    return p
