@@ -15,7 +15,7 @@ BINDIR   = $(DESTDIR)$(PREFIX)/bin
 MANDIR   = $(DESTDIR)$(PREFIX)/share/man
 SHAREDIR = $(DESTDIR)$(PREFIX)/share/pepsi
 
-.PHONY: help build test race vet staticcheck fuzz soak-locks demo bench clean
+.PHONY: help build test test-python race vet staticcheck fuzz soak-locks demo bench clean
 
 include dist/install.mk
 
@@ -25,10 +25,18 @@ help:  ## list the targets
 build:  ## the static daemon binary ./pepsi-dispatch
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o pepsi-dispatch .
 
-test:  ## the whole suite: vet, race detector, short fuzzing of every parser
+test:  ## the whole suite: vet, race detector, short fuzzing of every parser, the Python SDK
 	$(GO) vet ./...
 	$(GO) test -race -timeout 40m -count=1 ./...
 	$(MAKE) fuzz FUZZTIME=10s
+	$(MAKE) test-python
+
+# Debian's interpreter: python3-psycopg and python3-pytest install for it. pytest's exit
+# status 5 (no tests collected) fails the target like any other non-zero status.
+PYTHON ?= /usr/bin/python3
+
+test-python:  ## the Python SDK's tests (python/tests, pytest; a private PostgreSQL, the daemon built)
+	cd python && $(PYTHON) -m pytest -q
 
 race: test  ## alias of test: the suite always runs under the race detector
 

@@ -97,7 +97,7 @@ type coordinator struct {
 	ha       *haBoard       // the role, the server and the reconciles (failover.go)
 	started  time.Time
 
-	stageFailing map[string]int // consecutive failures per stage, for log rate-limiting
+	stageFailing map[string]*failureLog // per stage: the rate limit of its failure lines
 	sendBuf      []byte
 	want         map[string]int
 }
@@ -134,7 +134,7 @@ func newCoordinator(ctx context.Context, d coordinatorDeps) *coordinator {
 		workers: map[int]*worker{}, inflight: map[string]int{},
 		dbBackoff:     backoff{min: 100 * time.Millisecond, max: 5 * time.Second},
 		relockBackoff: backoff{min: 100 * time.Millisecond, max: relockMaxDelay},
-		stats:         newStats(), locked: true, stageFailing: map[string]int{},
+		stats:         newStats(), locked: true, stageFailing: map[string]*failureLog{},
 		want: map[string]int{}, started: time.Now(),
 	}
 	c.workerDSN = dsnWith(cfg.DSN, "application_name", inst.workerAppName())

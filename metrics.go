@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"slices"
@@ -205,15 +206,27 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 		m.ha.writeHA(p)
 	}
 	if db := m.db.Load(); db != nil {
-		m.writeRows(ctx, db, p)
+		var known []string // the configured stages and those with counters: their rows gauges exist even at 0
+		if s := m.snap.Load(); s != nil {
+			for _, st := range s.stages {
+				known = append(known, st.name)
+			}
+		}
+		m.writeRows(ctx, db, p, known)
 	}
 	if m.locks != nil {
 		m.locks.writeMetrics(w)
 	}
 }
 
+// rowStatuses are the statuses pepsi_rows counts (done rows are not counted: they only grow).
+var rowStatuses = []string{"failed", "paused", "pending", "running", "waiting"}
+
 // writeRows adds the row gauges: rows per stage and status, and the oldest pending row's age.
-func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter) {
+// Every stage of known and every stage with rows gets a sample for every status of rowStatuses,
+// 0 when it has none: a gauge that vanishes when the queue empties reads as "no data" to an
+// alert on it (pepsi_rows{status="failed"} > 0 would go silent instead of false).
+func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter, known []string) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	rows, err := db.QueryContext(ctx, `
@@ -227,19 +240,43 @@ func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter
 		return
 	}
 	defer rows.Close()
+	type key struct{ stage, status string }
+	counts := map[key]int64{}
+	ages := map[string]float64{}
+	stages := map[string]bool{}
+	for _, st := range known {
+		stages[st] = true
+	}
 	for rows.Next() {
 		var stage, status string
 		var n int64
 		var age float64
 		if err := rows.Scan(&stage, &status, &n, &age); err != nil {
+			p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 0)
+			m.log.Warn("metrics: row gauges not read", "err", err)
 			return
 		}
-		p.sample("pepsi_rows", "gauge", "Rows per stage and status (done rows are not counted).",
-			fmt.Sprintf("stage=%q,status=%q", stage, status), n)
+		counts[key{stage, status}] = n
+		stages[stage] = true
 		if status == "pending" {
-			p.sample("pepsi_oldest_pending_seconds", "gauge", "Age of the oldest pending row per stage.",
-				stageLabel(stage), fmt.Sprintf("%.3f", age))
+			ages[stage] = age
 		}
+	}
+	if err := rows.Err(); err != nil {
+		p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 0)
+		m.log.Warn("metrics: row gauges not read", "err", err)
+		return
+	}
+	names := slices.Sorted(maps.Keys(stages))
+	for _, stage := range names {
+		for _, status := range rowStatuses {
+			p.sample("pepsi_rows", "gauge", "Rows per stage and status (done rows are not counted).",
+				fmt.Sprintf("stage=%q,status=%q", stage, status), counts[key{stage, status}])
+		}
+	}
+	for _, stage := range names {
+		p.sample("pepsi_oldest_pending_seconds", "gauge", "Age of the oldest pending row per stage (0: none).",
+			stageLabel(stage), fmt.Sprintf("%.3f", ages[stage]))
 	}
 	p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 1)
 	var open, quarantined int64

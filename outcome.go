@@ -84,9 +84,11 @@ func (c *coordinator) onSuccess(w *worker, m *message, r reply) {
 	if m.fanout != 0 {
 		c.fanin.hint(m.fanout) // a child may have finished: cheap, and the flush is batched
 	}
-	if n := c.stageFailing[w.stage]; n > 0 {
-		c.log.Info("stage recovered", "stage", w.stage, "failures_before", n)
-		delete(c.stageFailing, w.stage)
+	if fl := c.stageFailing[w.stage]; fl != nil {
+		if fl.run >= failureRunRecovered {
+			c.log.Info("stage recovered", "stage", w.stage, "failures_before", fl.run)
+		}
+		fl.run = 0
 	}
 	if r.done {
 		c.stats.Global.Done++
@@ -106,17 +108,95 @@ func (c *coordinator) fail(m *message, reason string) {
 	if m.forgotten {
 		return // a reconcile found its row no longer our claim: the guarded write would be a no-op
 	}
-	f := failure{m: m, reason: reason, maxAttempts: maxAttemptsDefault, retryDelay: retryDelayDefault}
+	c.queueFailure(m, reason, false)
+	c.noteFailure(m, reason, time.Now())
+}
+
+// failCrashed queues the failure write of a dead worker's head message; whether it failed is
+// noted when the write tells (writeOutcomes, settleCrashes).
+func (c *coordinator) failCrashed(m *message, reason string) {
+	if m.forgotten {
+		return // as in fail
+	}
+	c.queueFailure(m, reason, true)
+}
+
+func (c *coordinator) queueFailure(m *message, reason string, crash bool) {
+	f := failure{m: m, reason: reason, maxAttempts: maxAttemptsDefault, retryDelay: retryDelayDefault, crash: crash}
 	if p := c.pools[m.stage]; p != nil {
 		f.maxAttempts, f.retryDelay = p.cfg.MaxAttempts, p.cfg.RetryDelay
 	}
 	c.failures = append(c.failures, f)
-	n := c.stageFailing[m.stage] + 1
-	c.stageFailing[m.stage] = n
-	// Rate-limited: the first failures of a run in full, then one line per power of ten.
-	if n <= 3 || isPowerOfTen(n) {
-		c.log.Warn("message failed", "stage", m.stage, "id", m.id, "attempt", m.attempts+1,
-			"reason", reason, "consecutive_failures", n)
+}
+
+const (
+	// failureLinesPerMinute caps a stage's "message failed" lines per minute: failures mixed
+	// among successes never make a run, so the per-run limit alone let every one of them
+	// through (with a "stage recovered" after each: 570 lines for 2,000 messages).
+	failureLinesPerMinute = 10
+	// failureRunRecovered is the run of consecutive failures whose end "stage recovered"
+	// reports: a stage that was failing, not one that had one failure among successes.
+	failureRunRecovered = 3
+)
+
+// failureLog is the rate limit of one stage's failure lines.
+type failureLog struct {
+	run      int       // consecutive failures, ended by a success
+	window   time.Time // start of the minute the lines below count in
+	logged   int       // lines logged in the window
+	unlogged int       // failures not logged since the last line logged
+}
+
+// noteFailure logs a failure, rate-limited per stage: the first failures of a run in full,
+// then one line per power of ten, and never more than failureLinesPerMinute lines a minute;
+// the next line logged says how many were left out.
+func (c *coordinator) noteFailure(m *message, reason string, now time.Time) {
+	fl := c.stageFailing[m.stage]
+	if fl == nil {
+		fl = &failureLog{}
+		c.stageFailing[m.stage] = fl
+	}
+	fl.run++
+	if now.Sub(fl.window) >= time.Minute {
+		fl.window, fl.logged = now, 0
+	}
+	if (fl.run > 3 && !isPowerOfTen(fl.run)) || fl.logged >= failureLinesPerMinute {
+		fl.unlogged++
+		return
+	}
+	fl.logged++
+	args := []any{"stage", m.stage, "id", m.id, "attempt", m.attempts + 1, "reason", reason,
+		"consecutive_failures", fl.run}
+	if fl.unlogged > 0 {
+		args = append(args, "failures_not_logged", fl.unlogged)
+		fl.unlogged = 0
+	}
+	if fl.logged == failureLinesPerMinute {
+		args = append(args, "next_failure_line_after", fl.window.Add(time.Minute).Format(time.RFC3339))
+	}
+	c.log.Warn("message failed", args...)
+}
+
+// settleCrashes counts and logs the heads of crashed workers once their failure writes have
+// run: written (the row was still the claim) is a crash that failed the message; not written
+// means the stage had committed the message's outcome before the worker died, and only its
+// status line was lost: the message is processed, not failed, and the worker's death is
+// logged as what it was.
+func (c *coordinator) settleCrashes(fs []failure, written map[int64]bool) {
+	now := time.Now()
+	for _, f := range fs {
+		if !f.crash {
+			continue
+		}
+		st := c.stats.stage(f.m.stage)
+		if written[f.m.id] {
+			st.Crashed++
+			c.noteFailure(f.m, f.reason, now)
+			continue
+		}
+		st.Processed++
+		c.log.Warn("worker died after its head message's outcome had committed; the message is not failed",
+			"stage", f.m.stage, "id", f.m.id, "reason", f.reason)
 	}
 }
 
@@ -155,7 +235,9 @@ func (c *coordinator) writeOutcomes() bool {
 				groups[f.m.id] = f.m.fanout
 			}
 		}
+		written := make(map[int64]bool, len(out))
 		for _, o := range out {
+			written[o.id] = true
 			if o.status == "failed" {
 				c.stats.Global.Failed++
 				if g := groups[o.id]; g != 0 {
@@ -165,6 +247,7 @@ func (c *coordinator) writeOutcomes() bool {
 				c.timers.scheduleEarlier(timerKey{kind: timerRetry}, o.retryAt)
 			}
 		}
+		c.settleCrashes(c.failures, written)
 		if skipped := len(c.failures) - len(out); skipped > 0 {
 			c.log.Debug("failure writes skipped: rows no longer held by their claim", "rows", skipped)
 		}

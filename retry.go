@@ -26,6 +26,11 @@ type failure struct {
 	reason      string
 	maxAttempts int
 	retryDelay  time.Duration
+	// crash: the head of a worker that died. Whether it fails is known only after the guarded
+	// write: if its stage had committed the outcome (the worker died before its status line
+	// got out), the row is no longer the claim and nothing is failed; writeOutcomes logs and
+	// counts which it was.
+	crash bool
 }
 
 // failSQL records failures. retry_at = now + RETRY_DELAY × 2^(attempts−1), with attempts the

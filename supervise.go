@@ -247,10 +247,11 @@ func (c *coordinator) onExit(ev workerExit) {
 		log.Warn("worker exited without answering all its messages; they go back to pending", "unanswered", len(q))
 		c.resets = append(c.resets, q...)
 	default:
-		c.stats.stage(w.stage).Crashed++
-		log.Warn("worker crashed; its head message fails, the rest go back to pending",
+		// The head fails if its row is still the claim; if the stage had committed its
+		// outcome, the guarded write changes nothing and settleCrashes says so.
+		log.Warn("worker crashed; its head message fails unless its outcome had committed, the rest go back to pending",
 			"reason", reason, "id", q[0].id, "requeued", len(q)-1)
-		c.fail(q[0], fmt.Sprintf("stage %s: %s", w.stage, reason))
+		c.failCrashed(q[0], fmt.Sprintf("stage %s: %s", w.stage, reason))
 		c.resets = append(c.resets, q[1:]...)
 	}
 }

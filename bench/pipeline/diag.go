@@ -27,7 +27,7 @@ type diagPlan struct {
 func (b *bench) diagnosePepsi(ctx context.Context) {
 	var s *system
 	for _, x := range b.systems {
-		if x.kind == kindPepsi {
+		if x.name == "pepsi" {
 			s = x
 		}
 	}

@@ -140,7 +140,7 @@ func benchMain() int {
 	out := flag.String("out", "", "the Markdown report (default: BENCHMARKS.md at the repository root)")
 	svg := flag.String("svg", "", "the chart (default: bench/results.svg)")
 	only := flag.String("only", "", "comma-separated workloads to run (W1,...,W6); default all")
-	systems := flag.String("systems", "", "comma-separated systems to measure (pepsi,pepsi-console,river,river-default,graphile,graphile-default,pgq,raw); default all")
+	systems := flag.String("systems", "", "comma-separated systems to measure (pepsi,pepsi-console,river,river-default,graphile,graphile-default,pgq,raw; pepsi-python only when named); default all")
 	keep := flag.Bool("keep", false, "keep the temporary directory (logs, cluster) for a look")
 	par := flag.Int("pepsi-workers", pepsiWorkers, "pepsi's worker processes in all: the PARALLELISM of a 1-stage pipeline, divided among the stages of a longer one")
 	ql := flag.Int("pepsi-queue-limit", pepsiQueueLimit, "QUEUE_LIMIT of every pepsi stage")
@@ -313,6 +313,11 @@ func (b *bench) run(ctx context.Context, outPath, svgPath string) error {
 		{name: "pgq", kind: kindPgq, label: "PgQ", dbname: "bench_pgq", only: map[string]bool{"W1": true, "W2": true, "W3": true}},
 		{name: "raw", kind: kindRaw, label: "raw loop", dbname: "bench_workqueue"},
 	}
+	py, err := b.pythonSystems() // pepsi-python, only when -systems names it
+	if err != nil {
+		return err
+	}
+	b.systems = append(b.systems, py...)
 	if b.onlySys != nil {
 		var keep []*system
 		for _, s := range b.systems {

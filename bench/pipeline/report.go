@@ -262,6 +262,7 @@ func (b *bench) report(chartPath string) string {
 		}
 	}
 	p("\n")
+	b.pythonReport(p)
 
 	// Cost.
 	p("## Cost per transition (medians)\n\n")

@@ -660,7 +660,7 @@ func (b *bench) writePepsiConf(s *system, o startOpts) (string, error) {
 			next = fmt.Sprintf("s%d", i+1)
 		}
 		fmt.Fprintf(&w, "\n[stage-s%d]\nPROGRAM = %s\nNEXT = %s\nPARALLELISM = %d\nQUEUE_LIMIT = %d\nMAX_MESSAGES = %d\n",
-			i, filepath.Join(b.bin, "bench-stage"), next, par[i-1], b.pepsiQueueLimit, b.pepsiMaxMessages)
+			i, b.stageProgram(s), next, par[i-1], b.pepsiQueueLimit, b.pepsiMaxMessages)
 		if o.fuse && i > 1 {
 			w.WriteString("FUSE = yes\n")
 		}

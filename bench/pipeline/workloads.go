@@ -305,7 +305,7 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 	if err := p.stop(); err != nil {
 		logf("  %s: stop: %v (see %s)", s.name, err, p.logPath)
 	}
-	if statements && s.kind == kindPepsi {
+	if statements && s.name == "pepsi" {
 		after := readPepsiStats(ctx, s)
 		b.res.pepsiW1 = after.minus(pepsiBefore)
 	}

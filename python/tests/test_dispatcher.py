@@ -1,0 +1,149 @@
+"""Python stages under the real dispatcher: every outcome end to end, the example stage, and
+a 3-stage pipeline that survives kill -9 of a worker and of the dispatcher with every message
+done and every (message, stage) run exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from conftest import ROOT, TESTS, Schema, base_conf, stage_conf, wait_for, world_dir
+
+PROG = str(TESTS / "stage_prog.py")
+EXAMPLE = str(ROOT / "doc/examples/python-stage")
+
+
+def unfinished(schema: Schema) -> int:
+    return schema.one("SELECT count(*) FROM workqueue WHERE status NOT IN ('done', 'failed')")
+
+
+def children_of(pid: int):
+    """The live child processes of pid (the dispatcher's workers)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(d))
+    return out
+
+
+def test_every_outcome(schema: Schema, daemon_factory) -> None:
+    ids = schema.enqueue("a", [
+        {"do": "advance"},
+        {"do": "done"},
+        {"do": "defer", "defer_s": 0.3},
+        {"do": {"a": "split", "b": "fanin"}, "child": "kid", "children": [{}, {"do": "fail"}]},
+        {"do": {"a": "split_range", "b": "fanin"}, "child": "kid", "lo": 1, "hi": 3000, "min_span": 1000},
+        {"do": {"a": "split"}, "child": "kid", "children": []},
+        {"do": "fail"},
+        {"do": "raise"},
+    ])
+    stages = (stage_conf("a", PROG, "b", "MAX_ATTEMPTS = 2\nRETRY_DELAY = 0.1") +
+              stage_conf("b", PROG) +
+              stage_conf("kid", PROG, "", "MAX_ATTEMPTS = 2\nRETRY_DELAY = 0.1"))
+    d = daemon_factory(base_conf(schema, stages))
+    wait_for("every message finished", lambda: unfinished(schema) == 0 and
+             schema.one("SELECT count(*) FROM workqueue") == len(ids) + 5, 120)
+    assert d.stop() == 0
+    r = {i: row for i, *row in schema.q(
+        "SELECT workqueue_id, stage, status, state FROM workqueue WHERE workqueue_id = ANY(%s)", (ids,))}
+    adv, done, dfr, split, srange, split0, fail, exc = ids
+    assert r[adv][:2] == ["b", "done"]
+    assert r[done][:2] == ["a", "done"]
+    assert r[dfr][:2] == ["b", "done"] and r[dfr][2]["deferred"] is True
+    assert r[split][:2] == ["b", "done"] and r[split][2]["fanin"] == [1, 1, [1]]
+    assert r[srange][:2] == ["b", "done"] and r[srange][2]["fanin"] == [3, 0, []]
+    assert r[split0][:2] == ["b", "done"]  # no children: straight to the continuation (no fan-in)
+    assert r[fail][:2] == ["a", "failed"]
+    assert r[fail][2]["dispatch_error"] == "stage a: status 1: asked to fail at a (attempt 2)"
+    assert r[exc][:2] == ["a", "failed"] and r[exc][2]["dispatch_error"].endswith("ValueError: a bug")
+    # Each success ran once at each stage; the failures' runs rolled back.
+    counts = dict(((i, s), n) for i, s, n in schema.q("SELECT id, stage, count(*) FROM runs GROUP BY 1, 2"))
+    assert counts[(adv, "a")] == counts[(adv, "b")] == counts[(dfr, "b")] == 1
+    assert counts[(dfr, "a")] == 2  # deferred once, then advanced: two runs
+    assert (fail, "a") not in counts and (exc, "a") not in counts
+
+
+def test_example_stage(schema: Schema, daemon_factory) -> None:
+    """doc/examples/python-stage, as the documentation runs it: two stages of it."""
+    schema.q("CREATE TABLE shouts (id bigint, stage text, shout text)")
+    texts = [f"message number {i} says hi" for i in range(300)]
+    ids = schema.enqueue("upper", [{"text": t} for t in texts] +
+                         [{"nope": 1}, {"text": "later", "hold_until": "2999-01-01T00:00:00Z"}])
+    stages = (stage_conf("upper", EXAMPLE, "count", "MAX_ATTEMPTS = 2\nRETRY_DELAY = 0.1\nQUEUE_LIMIT = 64") +
+              stage_conf("count", EXAMPLE, "", "QUEUE_LIMIT = 64"))
+    d = daemon_factory(base_conf(schema, stages))
+    wait_for("the messages finished", lambda: schema.one(
+        "SELECT count(*) FROM workqueue WHERE status IN ('done', 'failed', 'paused') AND attempts < 2 "
+        "OR status = 'failed'") == len(ids), 120)
+    assert d.stop() == 0
+    r = {i: row for i, *row in schema.q("SELECT workqueue_id, stage, status, state FROM workqueue")}
+    for i, t in zip(ids, texts):
+        assert r[i][:2] == ["count", "done"]
+        want = {"words": 5, "shout": t.upper()}
+        assert r[i][2]["upper"] == want and r[i][2]["count"] == {"words": 5, "shout": t.upper()}
+    bad, held = ids[-2:]
+    assert r[bad][:2] == ["upper", "failed"]
+    assert r[bad][2]["dispatch_error"] == 'stage upper: status 1: payload has no "text"'
+    assert r[held][:2] == ["upper", "paused"]
+    assert schema.one("SELECT count(*) FROM shouts") == 2 * len(texts) + 1  # the held one too
+    assert schema.one("SELECT count(*) FROM (SELECT id, stage FROM shouts GROUP BY 1, 2 "
+                      "HAVING count(*) > 1) d") == 0
+
+
+def test_pipeline_kill9(schema: Schema, daemon_factory) -> None:
+    """3 Python stages; kill -9 of a worker, then of the dispatcher; a new dispatcher
+    finishes: every message done, every (message, stage) committed exactly once."""
+    n = 3000
+    ids = schema.enqueue("s1", [{"sleep_ms": 0} for _ in range(n)])
+    extra = "PARALLELISM = 2\nQUEUE_LIMIT = 64\nRETRY_DELAY = 0.1\nMAX_ATTEMPTS = 10"
+    stages = stage_conf("s1", PROG, "s2", extra) + stage_conf("s2", PROG, "s3", extra) + stage_conf("s3", PROG, "", extra)
+    conf = base_conf(schema, stages)
+    d = daemon_factory(conf)
+
+    def runs() -> int:
+        return schema.one("SELECT count(*) FROM runs")
+
+    wait_for("a third of the runs", lambda: runs() >= n, 180)
+    workers = children_of(d.proc.pid)
+    assert workers, "no worker running"
+    os.kill(workers[0], signal.SIGKILL)
+    wait_for("two thirds of the runs", lambda: runs() >= 2 * n, 180)
+    d.kill9()
+    # The workers die with their dispatcher (parent-death signal).
+    wait_for("the old workers gone", lambda: not schema.q(
+        "SELECT 1 FROM pg_stat_activity WHERE application_name LIKE 'pepsi-worker%%'"), 30)
+    assert unfinished(schema) > 0
+    d2 = daemon_factory(conf)
+    wait_for("every message done", lambda: schema.one(
+        "SELECT count(*) FROM workqueue WHERE status = 'done'") == n, 300)
+    assert d2.stop() == 0
+    assert schema.one("SELECT count(*) FROM workqueue WHERE workqueue_id = ANY(%s) AND stage = 's3' "
+                      "AND status = 'done'", (ids,)) == n
+    dup = schema.q("SELECT id, stage, count(*) FROM runs GROUP BY 1, 2 HAVING count(*) <> 1")
+    assert dup == []
+    assert runs() == 3 * n
+    assert "worker crashed" in d.log()  # the kill -9 of the worker was seen
+
+
+def test_stats_lost_on_kill9(schema: Schema, daemon_factory) -> None:
+    """dispatch_stats and stage_stats are flushed from memory (every STATS_INTERVAL, when the
+    pipeline goes idle, at shutdown): a dispatcher killed while busy loses what it counted
+    since its last flush, as pepsi-dispatch(1), STATISTICS, says. The rows lose nothing."""
+    schema.enqueue("a", [{"sleep_ms": 20} for _ in range(400)])
+    d = daemon_factory(base_conf(schema, stage_conf("a", PROG, "", "PARALLELISM = 1\nQUEUE_LIMIT = 2")))
+    wait_for("30 messages done", lambda: schema.one("SELECT count(*) FROM runs") >= 30, 120)
+    d.kill9()
+    done = schema.one("SELECT count(*) FROM workqueue WHERE status = 'done'")
+    assert done >= 30
+    runs = schema.one("SELECT coalesce(sum(stage_runs), 0) FROM dispatch_stats")
+    processed = schema.one("SELECT coalesce(sum(processed), 0) FROM stage_stats")
+    assert runs < done and processed < done, (runs, processed, done)
