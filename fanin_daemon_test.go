@@ -1012,15 +1012,24 @@ func TestFaninDaemonSigterm(t *testing.T) {
 // TestFaninDaemonOrphanWaiter: a parent left 'waiting' on no open group (an operator's doing;
 // the sweep's orphan check) is woken by the sweep and claimed at once, not at the next
 // heartbeat (POLL_INTERVAL is long here).
+//
+// The orphan is inserted 'waiting' in one statement. Inserting it 'pending' and then setting
+// it 'waiting' let the daemon claim it (the insert's NOTIFY) and run its continuation to 'done'
+// between the two statements on a loaded machine; the UPDATE then made a done row wait again
+// and the sweep rightly woke and ran it a second time, which the oracle counted as "ran more
+// than once" (or found it still running).
 func TestFaninDaemonOrphanWaiter(t *testing.T) {
 	s := faninSetup(t)
 	conf := strings.Replace(faninConf(t, s, "SWEEP_INTERVAL = 0.2\nSWEEP_MIN_AGE = 0", ""), "POLL_INTERVAL = 1", "POLL_INTERVAL = 60", 1)
 	d := faninStart(t, conf, "fanin")
 	faninWarmUp(t, s)
-	orphan := insertOne(t, s, "join", `{}`)
-	s.exec(t, `UPDATE workqueue SET status = 'waiting' WHERE workqueue_id = $1`, orphan)
+	var orphan int64
+	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, status, payload) VALUES ('join', 'waiting', '{}')
+	        RETURNING workqueue_id`).Scan(&orphan); err != nil {
+		t.Fatal(err)
+	}
 	d.waitLog("orphans_woken=1", 30*time.Second)
-	waitFor(t, 10*time.Second, "the orphan's continuation", func() bool { return faninJoined(t, s, []int64{orphan}) == 1 })
+	waitFor(t, 30*time.Second, "the orphan's continuation", func() bool { return faninJoined(t, s, []int64{orphan}) == 1 })
 	if j := faninJoinOf(t, s, orphan); !j.noGroup || j.runs != 1 {
 		t.Errorf("orphan's continuation: %+v", j)
 	}
