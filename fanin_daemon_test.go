@@ -646,14 +646,30 @@ func TestFaninDaemonFailpointFlushBeforeCommit(t *testing.T) {
 // TestFaninDaemonFailpointFlushAfterCommit (T6 c): the dispatcher dies right after each flush
 // that applied events commits, before it claims the woken parents. Every start commits one
 // flush and dies again, until nothing is left to flush; then the parents are claimed once.
+//
+// How many starts that takes is the load's doing: a start flushes at its first hint, and on a
+// loaded machine the workers' batches are cut by time to a message or two, so a start applies
+// a few children (30 starts were not enough for 166 children). What bounds it is the evidence:
+// every child here enters 'done' once, as +1 in one inbox row, and every crash follows a
+// committed flush that applied events, so the applied counts grow with each crash (checked),
+// and there cannot be more crashes than children.
 func TestFaninDaemonFailpointFlushAfterCommit(t *testing.T) {
 	s := faninSetup(t)
 	conf := faninConf(t, s, "", "PARALLELISM = 2\nQUEUE_LIMIT = 16")
 	ids := faninParents(t, s, faninCrashPayloads...)
-	crashes := 0
+	children := 0
+	for _, p := range faninCrashPayloads {
+		var b faninBehaviour
+		if err := json.Unmarshal([]byte(p), &b); err != nil {
+			t.Fatal(err)
+		}
+		children += b.N
+	}
+	applied := func() int { return s.count(t, `SELECT coalesce(sum(done_n + failed_n), 0)::int FROM fanout`) }
+	crashes, last := 0, applied()
 	for run := 0; ; run++ {
-		if run == 30 {
-			t.Fatalf("still crashing after %d runs", run)
+		if run > children {
+			t.Fatalf("still crashing after %d runs, more than there are children (%d)", run, children)
 		}
 		d := faninStart(t, conf, "fanin", "PEPSI_FAILPOINT=fanin-flush-after-commit")
 		exited := false
@@ -674,11 +690,16 @@ func TestFaninDaemonFailpointFlushAfterCommit(t *testing.T) {
 			t.Fatalf("run %d exited with %d, not at the failpoint:\n%s", run, d.status, d.log.String())
 		}
 		crashes++
+		a := applied()
+		if a <= last {
+			t.Fatalf("run %d died after a flush commit, but the applied counts did not grow (%d, before %d)", run, a, last)
+		}
+		last = a
 	}
 	if crashes < 2 {
 		t.Errorf("only %d crashes at the failpoint; the scenario did not happen", crashes)
 	}
-	t.Logf("%d crashes after a flush commit", crashes)
+	t.Logf("%d crashes after a flush commit, for %d children", crashes, children)
 	faninCrashWant(t, s, ids)
 }
 
