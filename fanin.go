@@ -308,6 +308,11 @@ func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, r *flushResult) error
 	if r.events > 0 {
 		f.hit("fanin-flush-before-commit")
 	}
+	if r.groupsFired > 0 {
+		// The same point for a flush that fires a group: a crash test that needs the lost
+		// commit to hold a wake waits for it here, not for the load to make one likely.
+		f.hit("fanin-flush-fired-before-commit")
+	}
 	if err := tx.Commit(); err != nil {
 		return fmt.Errorf("fan-in flush: commit: %w", err)
 	}

@@ -221,7 +221,11 @@ func TestFusionChainMatrix(t *testing.T) {
 			return nil
 		}
 	}
-	sv := serveFused(t, sch, Config{Stage: "a", Next: []string{"b"}, Fuse: map[string][]string{"b": {"c"}, "c": {}}},
+	// The batches are bounded by their savepoints alone (a batch time of an hour), as in
+	// TestBatchBounds: on a loaded machine the 100 ms of maxBatchTime cut them after a message
+	// or two (5 to 18 writes at load 20, every cut by time with 2 to 10 savepoints taken).
+	sv := serveFused(t, sch, Config{Stage: "a", Next: []string{"b"}, Fuse: map[string][]string{"b": {"c"}, "c": {}},
+		hooks: &testHooks{batchTime: time.Hour}},
 		map[string]Handler{"a": h("b"), "b": h("c"), "c": h("")})
 	ids := make([]int64, len(cases))
 	for i, c := range cases {

@@ -512,13 +512,17 @@ func TestBatchIsOneTransaction(t *testing.T) {
 	sch := newSchema(t)
 	ids := []int64{sch.put(t, "a", "running", `{}`), sch.put(t, "a", "running", `{}`), sch.put(t, "a", "running", `{"last": true}`)}
 	entered, release := make(chan struct{}), make(chan struct{})
-	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
-		if strings.Contains(string(m.Payload), "last") {
-			close(entered)
-			<-release
-		}
-		return m.Advance("b")
-	})
+	// Without the time bound (a batch time of an hour): on a loaded machine the batch's BEGIN,
+	// load and first two messages took over maxBatchTime's 100 ms, the third message went to a
+	// batch of its own, and the test took the first batch's write for a reply before the commit.
+	sv := serveFused(t, sch, Config{Stage: "a", Next: []string{"b", "c"}, hooks: &testHooks{batchTime: time.Hour}},
+		map[string]Handler{"a": func(ctx context.Context, m *Message) error {
+			if strings.Contains(string(m.Payload), "last") {
+				close(entered)
+				<-release
+			}
+			return m.Advance("b")
+		}})
 	sv.send(t, ids...)
 	select {
 	case <-entered:
