@@ -204,6 +204,8 @@ LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
      ORDER BY r.n
 $$;
 
+DROP FUNCTION IF EXISTS queue_log(text, text, text, bigint[], bigint[], text); -- a draft's form
+
 -- queue_log writes the action's operator_log row. Pause and resume pass their stage and
 -- whether the stage's PAUSED value changed (p_n) instead of ids.
 CREATE OR REPLACE FUNCTION queue_log(p_action text, p_actor text, p_filter text, p_ids bigint[],
