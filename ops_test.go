@@ -424,6 +424,7 @@ func TestInstall(t *testing.T) {
 		"usr/bin/pepsi-dispatch", "usr/share/man/man1/pepsi-dispatch.1", "usr/share/man/man5/pepsi.conf.5",
 		"usr/share/man/man7/pepsi-worker.7", "usr/share/pepsi/schema.sql", "usr/share/pepsi/pepsi.conf.example",
 		"lib/systemd/system/pepsi-dispatch.service", "usr/lib/sysusers.d/pepsi.conf",
+		"usr/bin/pepsi-queue", "usr/share/man/man1/pepsi-queue.1", "usr/share/pepsi/operate.sql",
 	} {
 		if _, err := os.Stat(root + "/" + f); err != nil {
 			t.Errorf("not installed: %s", f)
@@ -452,7 +453,9 @@ func TestInstall(t *testing.T) {
 	if out, err := exec.Command("make", "-s", "uninstall", "DESTDIR="+root, "PREFIX=/usr").CombinedOutput(); err != nil {
 		t.Errorf("make uninstall: %v\n%s", err, out)
 	}
-	if _, err := os.Stat(root + "/usr/bin/pepsi-dispatch"); err == nil {
-		t.Error("uninstall left the binary")
+	for _, f := range []string{"usr/bin/pepsi-dispatch", "usr/bin/pepsi-queue", "usr/share/pepsi/operate.sql"} {
+		if _, err := os.Stat(root + "/" + f); err == nil {
+			t.Errorf("uninstall left %s", f)
+		}
 	}
 }
