@@ -27,7 +27,7 @@
 --     cancelled, so none can overwrite an operator's write; and an operator's write never
 --     matches a row that moved on before it (it is refused with the state it found).
 --   - Cancelling a running row leaves its claim token alone and notifies the dispatcher
---     (channel workqueue_cancel, payload "SCHEMA ID ID ..."): it stops the message's worker if
+--     (channel workqueue_cancel, payload "TABLE-OID ID:CLAIM ..."): it stops the message's worker if
 --     the message is at the head of the worker's queue; otherwise the stage's outcome write,
 --     guarded by status = 'running', changes nothing when the stage reaches it.
 --   - Every action writes its operator_log row in its own transaction.
@@ -293,7 +293,7 @@ RETURNS TABLE (workqueue_id bigint, ok boolean, status text, reason text)
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     changed bigint[];
-    running bigint[];
+    running text[];
     i       int;
 BEGIN
     WITH u AS (
@@ -301,15 +301,18 @@ BEGIN
                                claimed_at = CASE WHEN w.status = 'running' THEN w.claimed_at END
          WHERE w.workqueue_id = ANY (p_ids)
            AND w.status IN ('pending', 'paused', 'held', 'waiting', 'running')
-        RETURNING w.workqueue_id, w.claimed_at IS NOT NULL AS was_running)
+        RETURNING w.workqueue_id, w.claim, w.claimed_at IS NOT NULL AS was_running)
     SELECT coalesce(array_agg(u.workqueue_id), '{}'),
-           coalesce(array_agg(u.workqueue_id) FILTER (WHERE u.was_running), '{}')
+           coalesce(array_agg(u.workqueue_id || ':' || u.claim) FILTER (WHERE u.was_running), '{}')
       INTO changed, running FROM u;
-    -- A NOTIFY payload holds under 8,000 bytes: 400 ids at a time.
-    FOR i IN 0 .. (cardinality(running) - 1) / 400 LOOP
+    -- The payload names the system by its table's oid (the dispatcher's lock key: NOTIFY
+    -- channels are per database, not per schema) and each message by id:claim, so that the
+    -- dispatcher stops the worker of that claim only. Under 8,000 bytes: 300 at a time.
+    FOR i IN 0 .. (cardinality(running) - 1) / 300 LOOP
         EXIT WHEN cardinality(running) = 0;
         PERFORM pg_notify('workqueue_cancel',
-                          current_schema() || ' ' || array_to_string(running[i * 400 + 1 : i * 400 + 400], ' '));
+                          'workqueue'::regclass::oid::bigint || ' '
+                          || array_to_string(running[i * 300 + 1 : i * 300 + 300], ' '));
     END LOOP;
     PERFORM queue_log('cancel', p_actor, p_filter, p_ids, changed);
     RETURN QUERY SELECT * FROM queue_result('cancel', p_ids, changed,
