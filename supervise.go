@@ -30,12 +30,12 @@ const (
 type workerFate int
 
 const (
-	fateNone     workerFate = iota // still alive, or died on its own (a crash)
-	fateStopped                    // stdin closed by us (idle, recycled, shutdown): a clean exit is expected
-	fateTimeout                    // killed by the watchdog: the head message timed out
-	fateProtocol                   // killed after a reply that did not parse (head already failed)
-	fateRetired                    // killed by a reload or a shutdown: its queue goes back to pending
-	fateCancelled                  // killed because an operator cancelled its head (operate.go): as retired
+	fateNone      workerFate = iota // still alive, or died on its own (a crash)
+	fateStopped                     // stdin closed by us (idle, recycled, shutdown): a clean exit is expected
+	fateTimeout                     // killed by the watchdog: the head message timed out
+	fateProtocol                    // killed after a reply that did not parse (head already failed)
+	fateRetired                     // killed by a reload or a shutdown: its queue goes back to pending
+	fateCancelled                   // killed because an operator cancelled its head (operate.go): as retired
 )
 
 const (
