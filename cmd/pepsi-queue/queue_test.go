@@ -482,3 +482,66 @@ func TestRetrySignature(t *testing.T) {
 		t.Errorf("the other cause's rows: %s still failed, want 20", n)
 	}
 }
+
+// TestCancelledChildCountsAsFailed: a cancelled fan-out child counts as failed for its group
+// (the completion triggers, the flush, fanin_failed_children, the recount); its retry takes it
+// out of the failed count again; a cancelled waiting parent is not woken when the group fires.
+func TestCancelledChildCountsAsFailed(t *testing.T) {
+	s := newQSchema(t)
+	group := func() (parent int64, kids []int64, fid int64) {
+		t.Helper()
+		if err := s.db.QueryRow(`INSERT INTO fanout (parent_id, expected_n) VALUES (0, 3) RETURNING fanout_id`).Scan(&fid); err != nil {
+			t.Fatal(err)
+		}
+		s.db.QueryRow(`INSERT INTO workqueue (stage, status, wait_fanout_id) VALUES ('join', 'waiting', $1) RETURNING workqueue_id`, fid).Scan(&parent)
+		s.exec(t, `UPDATE fanout SET parent_id = $1 WHERE fanout_id = $2`, parent, fid)
+		for i := 0; i < 3; i++ {
+			var k int64
+			s.db.QueryRow(`INSERT INTO workqueue (stage, status, fanout_id, fanout_seq) VALUES ('kid', 'pending', $1, $2) RETURNING workqueue_id`, fid, i).Scan(&k)
+			kids = append(kids, k)
+		}
+		return parent, kids, fid
+	}
+	counts := func(fid int64) string {
+		t.Helper()
+		s.exec(t, `SELECT fanin_flush()`)
+		return s.one(t, `SELECT done_n || '/' || failed_n || ' ' || state FROM fanout WHERE fanout_id = $1`, fid)
+	}
+	parent, kids, fid := group()
+	if r := s.pq(t, "", "cancel", fmt.Sprint(kids[0])); r.code != 0 {
+		t.Fatalf("cancel child: %+v", r)
+	}
+	if got := counts(fid); got != "0/1 open" {
+		t.Errorf("after cancelling a child: %s, want 0/1 open", got)
+	}
+	if r := s.pq(t, "", "retry", fmt.Sprint(kids[0])); r.code != 0 {
+		t.Fatalf("retry child: %+v", r)
+	}
+	if got := counts(fid); got != "0/0 open" {
+		t.Errorf("after retrying the cancelled child: %s, want 0/0 open", got)
+	}
+	s.pq(t, "", "cancel", fmt.Sprint(kids[0]))
+	s.exec(t, `UPDATE workqueue SET status = 'done' WHERE workqueue_id = ANY ($1)`, pq.Array(kids[1:]))
+	if got := counts(fid); got != "2/1 fired" {
+		t.Errorf("after the others finished: %s, want 2/1 fired", got)
+	}
+	if st := s.one(t, `SELECT status FROM workqueue WHERE workqueue_id = $1`, parent); st != "pending" {
+		t.Errorf("parent %s, want woken (pending)", st)
+	}
+	if got := s.one(t, `SELECT string_agg(workqueue_id::text, ',') FROM fanin_failed_children($1)`, parent); got != fmt.Sprint(kids[0]) {
+		t.Errorf("fanin_failed_children: %q, want the cancelled child %d", got, kids[0])
+	}
+	// A cancelled waiting parent: the group still fires, and wakes nobody.
+	parent, kids, fid = group()
+	if r := s.pq(t, "", "cancel", fmt.Sprint(parent)); r.code != 0 {
+		t.Fatalf("cancel waiting parent: %+v", r)
+	}
+	s.exec(t, `UPDATE workqueue SET status = 'done' WHERE workqueue_id = ANY ($1)`, pq.Array(kids))
+	if got := counts(fid); got != "3/0 fired" {
+		t.Errorf("group of a cancelled parent: %s, want 3/0 fired", got)
+	}
+	if got := s.one(t, `SELECT status || ' ' || (SELECT parent_woken FROM fanin_wake_log WHERE fanout_id = $2)
+	        FROM workqueue WHERE workqueue_id = $1`, parent, fid); got != "cancelled false" {
+		t.Errorf("cancelled parent after its group fired: %q, want cancelled, not woken", got)
+	}
+}
