@@ -264,6 +264,17 @@ func TestConfirmation(t *testing.T) {
 	if r := s.pq(t, in.String(), "retry", "-"); r.code != exitUsage {
 		t.Errorf("1001 ids on stdin without --yes: %+v", r)
 	}
+	// /dev/null is a character device, not a terminal: refused, not asked.
+	null, err := os.Open(os.DevNull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer null.Close()
+	var out, errOut bytes.Buffer
+	if code := run(context.Background(), []string{"-c", "/nonexistent/pepsi.conf", "retry", "--status", "failed", "--all"},
+		null, &out, &errOut); code != exitUsage || strings.Contains(errOut.String(), "[y/N]") {
+		t.Errorf("stdin /dev/null: exit %d, stderr %q; want 2 without a prompt", code, errOut.String())
+	}
 	r = s.pq(t, "", "retry", "--status", "failed", "--all", "--yes")
 	if r.code != 0 || !strings.Contains(r.stdout, "2500 of 2500") {
 		t.Errorf("with --yes: %+v", r)

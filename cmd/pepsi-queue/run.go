@@ -96,9 +96,7 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	}
 	e := &env{inv: inv, db: db, stdin: stdin, out: stdout, errOut: stderr, actor: osUser(), conf: conf}
 	if f, ok := stdin.(*os.File); ok && !inv.stdin {
-		if st, err := f.Stat(); err == nil && st.Mode()&os.ModeCharDevice != 0 {
-			e.isTerminal = true
-		}
+		e.isTerminal = isTerminal(f)
 	}
 	err = e.dispatch(ctx)
 	var ue *usageError
