@@ -454,12 +454,12 @@ DECLARE
     gen int;
 BEGIN
     IF n = 0 THEN
-        UPDATE workqueue SET status = 'pending', stage = p_continuation,
+        UPDATE workqueue SET status = 'pending', status_at = now(), stage = p_continuation,
                              state = coalesce(p_state, state)
          WHERE workqueue_id = p_parent AND status = 'running' AND stage = p_split_stage;
     ELSE
         fid := nextval(pg_get_serial_sequence('fanout', 'fanout_id'));
-        UPDATE workqueue SET status = 'waiting', stage = p_continuation, wait_fanout_id = fid,
+        UPDATE workqueue SET status = 'waiting', status_at = now(), stage = p_continuation, wait_fanout_id = fid,
                              state = coalesce(p_state, state)
          WHERE workqueue_id = p_parent AND status = 'running' AND stage = p_split_stage;
     END IF;
@@ -580,7 +580,7 @@ BEGIN
          WHERE f.fanout_id = a.fanout_id AND f.state = 'open'
         RETURNING f.fanout_id, f.parent_id, f.state, f.expected_n, f.done_n, f.failed_n
     ), wake AS (                                  -- the guarded wake
-        UPDATE workqueue p SET status = 'pending'
+        UPDATE workqueue p SET status = 'pending', status_at = now()
           FROM upd u
          WHERE u.state = 'fired' AND p.workqueue_id = u.parent_id
            AND p.status = 'waiting' AND p.wait_fanout_id = u.fanout_id
@@ -702,7 +702,7 @@ BEGIN
            AND NOT EXISTS (SELECT 1 FROM fanin_wake_log l WHERE l.fanout_id = f.fanout_id)
         RETURNING f.fanout_id, f.parent_id, f.done_n, f.failed_n
     ), wake AS (
-        UPDATE workqueue p SET status = 'pending'
+        UPDATE workqueue p SET status = 'pending', status_at = now()
           FROM ready r
          WHERE p.workqueue_id = r.parent_id
            AND p.status = 'waiting' AND p.wait_fanout_id = r.fanout_id
@@ -839,7 +839,7 @@ BEGIN
     GET DIAGNOSTICS quarantine_cleared = ROW_COUNT;
 
     WITH o AS (
-        UPDATE workqueue p SET status = 'pending'
+        UPDATE workqueue p SET status = 'pending', status_at = now()
          WHERE p.status = 'waiting'
            AND ((p.wait_fanout_id > p_after AND p.wait_fanout_id <= hi)
                 OR (p_after = 0 AND p.wait_fanout_id IS NULL))

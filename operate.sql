@@ -59,20 +59,16 @@ BEGIN
     END IF;
 END $$;
 
--- status_at follows every change of status, whoever writes it (the claim, a stage in any
--- language, the dispatcher, an operator's hand-written UPDATE). A writer that sets status_at
--- itself skips the call (the WHEN clause's second test). No SET search_path: the function
--- reads no table, and the clause costs a switch per call.
-CREATE OR REPLACE FUNCTION workqueue_status_at() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    NEW.status_at := now();
-    RETURN NEW;
-END $$;
-
-CREATE OR REPLACE TRIGGER workqueue_status_at BEFORE UPDATE OF status ON workqueue
-    FOR EACH ROW
-    WHEN (OLD.status IS DISTINCT FROM NEW.status AND OLD.status_at IS NOT DISTINCT FROM NEW.status_at)
-    EXECUTE FUNCTION workqueue_status_at();
+-- status_at is written by each writer that changes a status, in the same UPDATE: the claim,
+-- the dispatcher's failure, reset and retry writes, the stage SDK's outcomes, the fan-in
+-- wake and split, and the functions below. Not by a trigger: a BEFORE ROW trigger makes
+-- PostgreSQL lock every updated row first, which cost the hot path a WAL record per row
+-- (measured: claim 422 -> 495 bytes of WAL per row, outcome 323 -> 387, 20,000 rows), even
+-- with a WHEN clause that skips the call. A stage that writes its outcome by hand should set
+-- status_at = now() too (pepsi-worker(7)); one that does not leaves its claim time there.
+-- Dropped if a draft of this file made it.
+DROP TRIGGER IF EXISTS workqueue_status_at ON workqueue;
+DROP FUNCTION IF EXISTS workqueue_status_at();
 
 -- The audit trail: one row per action call, written in the action's own transaction.
 CREATE TABLE IF NOT EXISTS operator_log (
@@ -235,7 +231,7 @@ DECLARE
     changed bigint[];
 BEGIN
     WITH u AS (
-        UPDATE workqueue w SET status = 'pending', retry_at = NULL,
+        UPDATE workqueue w SET status = 'pending', retry_at = NULL, status_at = now(),
                                attempts = CASE WHEN p_reset THEN 0 ELSE w.attempts END
          WHERE w.workqueue_id = ANY (p_ids)
            AND w.status IN ('failed', 'cancelled', 'paused', 'held')
@@ -257,7 +253,7 @@ DECLARE
     changed bigint[];
 BEGIN
     WITH u AS (
-        UPDATE workqueue w SET status = 'held', retry_at = NULL
+        UPDATE workqueue w SET status = 'held', retry_at = NULL, status_at = now()
          WHERE w.workqueue_id = ANY (p_ids) AND w.status IN ('pending', 'paused')
         RETURNING w.workqueue_id)
     SELECT coalesce(array_agg(u.workqueue_id), '{}') INTO changed FROM u;
@@ -274,7 +270,7 @@ DECLARE
     changed bigint[];
 BEGIN
     WITH u AS (
-        UPDATE workqueue w SET status = 'pending'
+        UPDATE workqueue w SET status = 'pending', status_at = now()
          WHERE w.workqueue_id = ANY (p_ids) AND w.status = 'held'
         RETURNING w.workqueue_id)
     SELECT coalesce(array_agg(u.workqueue_id), '{}') INTO changed FROM u;
@@ -297,7 +293,7 @@ DECLARE
     i       int;
 BEGIN
     WITH u AS (
-        UPDATE workqueue w SET status = 'cancelled', retry_at = NULL,
+        UPDATE workqueue w SET status = 'cancelled', retry_at = NULL, status_at = now(),
                                claimed_at = CASE WHEN w.status = 'running' THEN w.claimed_at END
          WHERE w.workqueue_id = ANY (p_ids)
            AND w.status IN ('pending', 'paused', 'held', 'waiting', 'running')

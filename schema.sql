@@ -202,6 +202,6 @@ END $$;
 --   fanin.sql    fan-out / fan-in: groups of children and the exactly-once wake of their
 --                parent (doc/design/fanin.md)
 --   operate.sql  the operator's functions (pepsi-queue(1)), the held and cancelled states,
---                status_at's trigger, operator_log, error signatures
+--                operator_log, error signatures
 \ir fanin.sql
 \ir operate.sql
