@@ -688,3 +688,30 @@ func TestBulkRetryBesideBacklog(t *testing.T) {
 		t.Errorf("the longest claim grew from %.1f ms to %.1f ms during the bulk retry", before*1000, during*1000)
 	}
 }
+
+// TestPauseFusedStage: pausing a stage that its predecessor's workers run fused (FUSE = yes)
+// stops those passes too: the predecessor's workers are retired to take a fuse list without
+// it, its messages stop at it, pending; resume fuses it again.
+func TestPauseFusedStage(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	d := startDaemon(t, fusionConf(t, s), "fusion")
+	enqueue(t, s, "a", 20, `{}`)
+	waitFor(t, 30*time.Second, "the first 20 done", func() bool { return countStatus(t, s, "done") == 20 })
+	s.exec(t, `SELECT * FROM queue_pause('b')`)
+	d.waitLog("stage paused", 30*time.Second)
+	d.waitLog("retiring them", 30*time.Second)
+	enqueue(t, s, "a", 20, `{}`)
+	waitFor(t, 30*time.Second, "20 pending at the paused b", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE stage = 'b' AND status = 'pending'`) == 20
+	})
+	if n := s.count(t, `SELECT count(*) FROM runs WHERE stage = 'b'`); n != 20 {
+		t.Errorf("b ran %d times, want 20: it ran fused while paused", n)
+	}
+	s.exec(t, `SELECT * FROM queue_resume('b')`)
+	waitFor(t, 30*time.Second, "all 40 done", func() bool { return countStatus(t, s, "done") == 40 })
+	d.stop()
+	if bad := s.count(t, `SELECT count(*) FROM (SELECT id, stage FROM runs GROUP BY 1, 2 HAVING count(*) <> 1) x`); bad != 0 {
+		t.Errorf("%d (message, stage) pairs ran other than once", bad)
+	}
+}
