@@ -222,6 +222,15 @@ func TestSelection(t *testing.T) {
 	if r := s.pq(t, "", "retry", "--id-from", fmt.Sprint(ids[3]), "--id-to", fmt.Sprint(ids[4]), "--all"); r.code != 0 || !strings.Contains(r.stdout, "2 of 2") {
 		t.Errorf("retry by id range: %+v", r)
 	}
+	// --older: since the last state change (status_at).
+	s.exec(t, `UPDATE workqueue SET status_at = now() - interval '2 hours' WHERE workqueue_id = $1`, ids[5])
+	if r := s.pq(t, "", "--json", "list", "--older", "1h30m"); r.code != 0 || strings.Count(r.stdout, "\n") != 1 ||
+		!strings.Contains(r.stdout, fmt.Sprintf(`"workqueue_id":%d,`, ids[5])) {
+		t.Errorf("list --older 1h30m: %+v", r)
+	}
+	if r := s.pq(t, "", "hold", "--older", "90m", "--status", "failed", "--all"); r.code != 1 || !strings.Contains(r.stderr, "is failed") {
+		t.Errorf("hold --older of a failed row: %+v", r)
+	}
 	for _, bad := range [][]string{
 		{"retry", "--status", "failed"}, // a filter without --all
 		{"retry", "1", "--stage", "a"},  // ids and a filter
