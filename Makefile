@@ -22,8 +22,9 @@ include dist/install.mk
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-build:  ## the static daemon binary ./pepsi-dispatch
+build:  ## the static daemon binary ./pepsi-dispatch and the operator's command ./pepsi-queue
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o pepsi-dispatch .
+	CGO_ENABLED=0 $(GO) build -trimpath -o pepsi-queue ./cmd/pepsi-queue
 
 test:  ## the whole suite: vet, race detector, short fuzzing of every parser, the Python SDK
 	$(GO) vet ./...
@@ -60,4 +61,4 @@ demo:  ## the demo: 10,000 messages through a three-stage pipeline on a throw-aw
 	demo/run
 
 clean:  ## remove build output
-	rm -f pepsi-dispatch
+	rm -f pepsi-dispatch pepsi-queue

@@ -48,7 +48,8 @@ import (
 const claimSQL = `
 WITH claimed AS (
     UPDATE workqueue q
-       SET status = 'running', claim = (SELECT nextval('workqueue_claim_seq')), claimed_at = now()
+       SET status = 'running', claim = (SELECT nextval('workqueue_claim_seq')), claimed_at = now(),
+           status_at = now()
      WHERE q.workqueue_id = ANY (ARRAY(
              SELECT p.workqueue_id
                FROM unnest($1::text[], $2::int[]) AS c(stage, cap)
@@ -165,7 +166,7 @@ func (c *coordinator) claim() {
 	now := time.Now()
 	clear(c.want)
 	for name, p := range c.pools {
-		if p.held(now) {
+		if p.held(now) || p.cfg.Paused {
 			continue
 		}
 		if free := p.cfg.Capacity() - c.inflight[name]; free > 0 {
@@ -177,7 +178,9 @@ func (c *coordinator) claim() {
 		return // every stage is full or held: replies and timers will ask again
 	}
 	ctx, cancel := c.budget()
+	t0 := time.Now()
 	res, err := c.claimer.claim(ctx, c.inst.conn, c.want)
+	c.claimMax = max(c.claimMax, time.Since(t0))
 	cancel()
 	if err != nil {
 		c.claimWanted = true

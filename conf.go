@@ -114,6 +114,9 @@ type StageConfig struct {
 	Fuse        bool          // a predecessor's worker may run this stage in its own pass
 	MaxChildren int           // a range split makes at most this many children (PEPSI_MAX_CHILDREN)
 	MinSpan     int64         // each range slice spans at least this much (PEPSI_MIN_SPAN)
+	// Paused: not claimed (PAUSED = yes, normally a config row written by pepsi-queue pause).
+	// Changing it alone is applied in place by a reload: no worker is retired (reload.go).
+	Paused bool
 
 	origin map[string]string // key (and "" for the section) -> "FILE:LINE" for errors
 }
@@ -127,7 +130,7 @@ func (s *StageConfig) equal(o *StageConfig) bool {
 		s.Parallelism == o.Parallelism && s.QueueLimit == o.QueueLimit &&
 		s.MaxMessages == o.MaxMessages && s.MaxAttempts == o.MaxAttempts &&
 		s.RetryDelay == o.RetryDelay && s.Fuse == o.Fuse &&
-		s.MaxChildren == o.MaxChildren && s.MinSpan == o.MinSpan
+		s.MaxChildren == o.MaxChildren && s.MinSpan == o.MinSpan && s.Paused == o.Paused
 }
 
 // configError is an operator mistake in the file or the overlay; start-up maps it to exit 2.
@@ -535,8 +538,16 @@ func buildStages(file []iniEntry, overlay []overlayRow) (map[string]*StageConfig
 			return nil, err
 		}
 	}
+	// A PAUSED row (pepsi-queue pause) of a stage defined nowhere else does not define the
+	// stage: it would have no PROGRAM, and the whole graph would fail to validate. So PAUSED
+	// rows are applied last, to stages that exist by then, and the others are ignored.
+	var pausedRows []overlayRow
 	for _, r := range overlay {
 		if !strings.HasPrefix(r.Section, "stage-") {
+			continue
+		}
+		if r.Key == "PAUSED" {
+			pausedRows = append(pausedRows, r)
 			continue
 		}
 		where := fmt.Sprintf("config table (section %q)", r.Section)
@@ -544,6 +555,14 @@ func buildStages(file []iniEntry, overlay []overlayRow) (map[string]*StageConfig
 			return nil, &configError{where, r.Key, "keys are upper-case letters, digits and '_'"}
 		}
 		if err := apply(r.Section, r.Key, r.Value, where); err != nil {
+			return nil, err
+		}
+	}
+	for _, r := range pausedRows {
+		if _, ok := stages[strings.TrimPrefix(r.Section, "stage-")]; !ok {
+			continue
+		}
+		if err := apply(r.Section, r.Key, r.Value, fmt.Sprintf("config table (section %q)", r.Section)); err != nil {
 			return nil, err
 		}
 	}
@@ -577,6 +596,8 @@ func (s *StageConfig) set(key, value string) error {
 		s.Fuse, err = parseBool(value)
 	case "MAX_CHILDREN":
 		s.MaxChildren, err = parseCount(value, 1, 10000000)
+	case "PAUSED":
+		s.Paused, err = parseBool(value)
 	case "MIN_SPAN":
 		var n int
 		n, err = parseCount(value, 1, 1<<31-1)

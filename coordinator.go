@@ -96,6 +96,7 @@ type coordinator struct {
 	retain   *retainer      // nil unless RETENTION is set
 	ha       *haBoard       // the role, the server and the reconciles (failover.go)
 	started  time.Time
+	claimMax time.Duration // the longest claim statement since the start (/metrics)
 
 	stageFailing map[string]*failureLog // per stage: the rate limit of its failure lines
 	sendBuf      []byte
@@ -314,6 +315,8 @@ func (c *coordinator) onNotify(n *pq.Notification, ok bool) {
 		c.claimWanted, c.retryWanted, c.reloadWanted = true, true, true
 	case n.Channel == "config_changed":
 		c.reloadWanted = true
+	case n.Channel == "workqueue_cancel":
+		c.onCancel(n.Extra)
 	default:
 		c.claimWanted = true
 	}

@@ -45,8 +45,17 @@
 -- recount does not need an index of its own: it walks the primary key over the group's id
 -- range (fanout.child_lo .. child_hi). An earlier version indexed every terminal child
 -- (workqueue_children); that entry cost about 3 % of a child's throughput (faninbench).
+-- A cancelled child (operate.sql) counts as failed for its group, here and in the triggers,
+-- the recount and fanin_failed_children below; an index made before that is made again.
+DO $$
+BEGIN
+    IF to_regclass('workqueue_failed_children') IS NOT NULL
+       AND pg_get_indexdef(to_regclass('workqueue_failed_children')) NOT LIKE '%cancelled%' THEN
+        DROP INDEX workqueue_failed_children;
+    END IF;
+END $$;
 CREATE INDEX IF NOT EXISTS workqueue_failed_children ON workqueue (fanout_id, fanout_seq)
-    WHERE fanout_id IS NOT NULL AND status = 'failed';
+    WHERE fanout_id IS NOT NULL AND status IN ('failed', 'cancelled');
 DROP INDEX IF EXISTS workqueue_children;
 -- Waiting parents by the group they wait on: the sweep's orphan check.
 CREATE INDEX IF NOT EXISTS workqueue_waiting ON workqueue (wait_fanout_id)
@@ -59,7 +68,7 @@ CREATE TABLE IF NOT EXISTS fanout (
     generation    int         NOT NULL DEFAULT 0, -- n-th split of that parent (0, 1, ...)
     expected_n    int         NOT NULL CHECK (expected_n >= 0),
     done_n        int         NOT NULL DEFAULT 0, -- applied count of children 'done'
-    failed_n      int         NOT NULL DEFAULT 0, -- applied count of children 'failed'
+    failed_n      int         NOT NULL DEFAULT 0, -- applied count of children 'failed' or 'cancelled'
     state         text        NOT NULL DEFAULT 'open' CHECK (state IN ('open', 'fired')),
     created_at    timestamptz NOT NULL DEFAULT now(),
     fired_at      timestamptz,
@@ -181,10 +190,10 @@ BEGIN
                 OLD.workqueue_id, OLD.fanout_id, NEW.fanout_id;
         END IF;
         was_done := (OLD.status = 'done')::int;
-        was_fail := (OLD.status = 'failed')::int;
+        was_fail := (OLD.status IN ('failed', 'cancelled'))::int;
     END IF;
     is_done := (NEW.status = 'done')::int;
-    is_fail := (NEW.status = 'failed')::int;
+    is_fail := (NEW.status IN ('failed', 'cancelled'))::int;
     IF is_done <> was_done OR is_fail <> was_fail THEN
         INSERT INTO fanin_event (fanout_id, child_id, d_done, d_failed)
         VALUES (NEW.fanout_id, NEW.workqueue_id, is_done - was_done, is_fail - was_fail);
@@ -216,18 +225,18 @@ BEGIN
         RETURN NULL;
     END IF;
     -- Then children's claims and retries (pending <-> running <-> paused).
-    IF NOT EXISTS (SELECT 1 FROM fanin_new WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed'))
-       AND NOT EXISTS (SELECT 1 FROM fanin_old WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed')) THEN
+    IF NOT EXISTS (SELECT 1 FROM fanin_new WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed', 'cancelled'))
+       AND NOT EXISTS (SELECT 1 FROM fanin_old WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed', 'cancelled')) THEN
         RETURN NULL;
     END IF;
     INSERT INTO %1$I.fanin_event (fanout_id, child_id, d_done, d_failed)
     SELECT fanout_id, CASE WHEN count(*) = 1 THEN min(workqueue_id) END, sum(dd), sum(df)
       FROM (SELECT fanout_id, workqueue_id, sum(dd) AS dd, sum(df) AS df
-              FROM (SELECT fanout_id, workqueue_id, (status = 'done')::int AS dd, (status = 'failed')::int AS df
-                      FROM fanin_new WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed')
+              FROM (SELECT fanout_id, workqueue_id, (status = 'done')::int AS dd, (status IN ('failed', 'cancelled'))::int AS df
+                      FROM fanin_new WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed', 'cancelled')
                     UNION ALL
-                    SELECT fanout_id, workqueue_id, -(status = 'done')::int, -(status = 'failed')::int
-                      FROM fanin_old WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed')) AS d
+                    SELECT fanout_id, workqueue_id, -(status = 'done')::int, -(status IN ('failed', 'cancelled'))::int
+                      FROM fanin_old WHERE fanout_id IS NOT NULL AND status IN ('done', 'failed', 'cancelled')) AS d
              GROUP BY fanout_id, workqueue_id
             HAVING sum(dd) <> 0 OR sum(df) <> 0) AS per_child
      GROUP BY fanout_id
@@ -244,7 +253,7 @@ END $do$;
 DO $$
 BEGIN
     CREATE OR REPLACE TRIGGER fanin_evt_ins AFTER INSERT ON workqueue FOR EACH ROW
-        WHEN (NEW.fanout_id IS NOT NULL AND NEW.status IN ('done', 'failed'))
+        WHEN (NEW.fanout_id IS NOT NULL AND NEW.status IN ('done', 'failed', 'cancelled'))
         EXECUTE FUNCTION workqueue_fanin_evt();
     CREATE OR REPLACE TRIGGER fanin_fanout_fixed AFTER UPDATE OF fanout_id ON workqueue FOR EACH ROW
         WHEN (OLD.fanout_id IS DISTINCT FROM NEW.fanout_id)
@@ -256,7 +265,7 @@ BEGIN
     CREATE OR REPLACE TRIGGER fanin_evt_upd_replica AFTER UPDATE OF status ON workqueue FOR EACH ROW
         WHEN (OLD.fanout_id IS NOT NULL
               AND ((OLD.status = 'done') <> (NEW.status = 'done')
-                   OR (OLD.status = 'failed') <> (NEW.status = 'failed')))
+                   OR (OLD.status IN ('failed', 'cancelled')) <> (NEW.status IN ('failed', 'cancelled'))))
         EXECUTE FUNCTION workqueue_fanin_evt();
     CREATE OR REPLACE TRIGGER fanin_evt_del AFTER DELETE ON workqueue FOR EACH ROW
         WHEN (OLD.fanout_id IS NOT NULL)
@@ -445,12 +454,12 @@ DECLARE
     gen int;
 BEGIN
     IF n = 0 THEN
-        UPDATE workqueue SET status = 'pending', stage = p_continuation,
+        UPDATE workqueue SET status = 'pending', status_at = now(), stage = p_continuation,
                              state = coalesce(p_state, state)
          WHERE workqueue_id = p_parent AND status = 'running' AND stage = p_split_stage;
     ELSE
         fid := nextval(pg_get_serial_sequence('fanout', 'fanout_id'));
-        UPDATE workqueue SET status = 'waiting', stage = p_continuation, wait_fanout_id = fid,
+        UPDATE workqueue SET status = 'waiting', status_at = now(), stage = p_continuation, wait_fanout_id = fid,
                              state = coalesce(p_state, state)
          WHERE workqueue_id = p_parent AND status = 'running' AND stage = p_split_stage;
     END IF;
@@ -571,7 +580,7 @@ BEGIN
          WHERE f.fanout_id = a.fanout_id AND f.state = 'open'
         RETURNING f.fanout_id, f.parent_id, f.state, f.expected_n, f.done_n, f.failed_n
     ), wake AS (                                  -- the guarded wake
-        UPDATE workqueue p SET status = 'pending'
+        UPDATE workqueue p SET status = 'pending', status_at = now()
           FROM upd u
          WHERE u.state = 'fired' AND p.workqueue_id = u.parent_id
            AND p.status = 'waiting' AND p.wait_fanout_id = u.fanout_id
@@ -693,7 +702,7 @@ BEGIN
            AND NOT EXISTS (SELECT 1 FROM fanin_wake_log l WHERE l.fanout_id = f.fanout_id)
         RETURNING f.fanout_id, f.parent_id, f.done_n, f.failed_n
     ), wake AS (
-        UPDATE workqueue p SET status = 'pending'
+        UPDATE workqueue p SET status = 'pending', status_at = now()
           FROM ready r
          WHERE p.workqueue_id = r.parent_id
            AND p.status = 'waiting' AND p.wait_fanout_id = r.fanout_id
@@ -743,7 +752,7 @@ BEGIN
           FROM cand c
          CROSS JOIN LATERAL (
                SELECT count(*) FILTER (WHERE w.status = 'done')::int   AS t_done,
-                      count(*) FILTER (WHERE w.status = 'failed')::int AS t_failed
+                      count(*) FILTER (WHERE w.status IN ('failed', 'cancelled'))::int AS t_failed
                  FROM workqueue w
                 WHERE w.workqueue_id BETWEEN coalesce(c.child_lo, -9223372036854775808)
                                          AND coalesce(c.child_hi, 9223372036854775807)
@@ -830,7 +839,7 @@ BEGIN
     GET DIAGNOSTICS quarantine_cleared = ROW_COUNT;
 
     WITH o AS (
-        UPDATE workqueue p SET status = 'pending'
+        UPDATE workqueue p SET status = 'pending', status_at = now()
          WHERE p.status = 'waiting'
            AND ((p.wait_fanout_id > p_after AND p.wait_fanout_id <= hi)
                 OR (p_after = 0 AND p.wait_fanout_id IS NULL))
@@ -895,7 +904,7 @@ LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
     SELECT c.workqueue_id, c.fanout_seq, c.range_lo, c.range_hi,
            c.state ->> 'dispatch_error', c.payload
       FROM workqueue p JOIN workqueue c ON c.fanout_id = p.wait_fanout_id
-     WHERE p.workqueue_id = p_parent AND c.status = 'failed' AND c.fanout_seq > p_after_seq
+     WHERE p.workqueue_id = p_parent AND c.status IN ('failed', 'cancelled') AND c.fanout_seq > p_after_seq
      ORDER BY c.fanout_seq
      LIMIT p_limit;
 $$;

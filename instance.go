@@ -206,7 +206,7 @@ func (in *instance) fence(ctx context.Context, version string) (int, error) {
 // resetOrphans puts back to pending every row left running by an earlier run. Only safe after
 // fence: then nobody else can be working on them.
 func (in *instance) resetOrphans(ctx context.Context) (int64, error) {
-	res, err := in.conn.ExecContext(ctx, `UPDATE workqueue SET status = 'pending' WHERE status = 'running'`)
+	res, err := in.conn.ExecContext(ctx, `UPDATE workqueue SET status = 'pending', status_at = now() WHERE status = 'running'`)
 	if err != nil {
 		return 0, fmt.Errorf("reset orphaned running rows: %w", err)
 	}

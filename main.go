@@ -273,7 +273,7 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 		}()
 		listener.Close()
 	}()
-	for _, ch := range []string{"workqueue", "config_changed"} {
+	for _, ch := range []string{"workqueue", "config_changed", "workqueue_cancel"} {
 		if err := listener.Listen(ch); err != nil {
 			return fmt.Errorf("listen on channel %s: %w", ch, err)
 		}

@@ -38,6 +38,7 @@ type metricsSnapshot struct {
 	workers  int
 	inflight int
 	config   []*StageConfig // the stage table as the coordinator runs it, sorted by name
+	claimMax time.Duration
 }
 
 type stageSnapshot struct {
@@ -45,6 +46,7 @@ type stageSnapshot struct {
 	workers  int
 	inflight int
 	held     bool
+	paused   bool // PAUSED = yes (pepsi-queue pause): not claimed
 	c        stageCounters
 }
 
@@ -65,7 +67,8 @@ func (m *metricsServer) publish(s *metricsSnapshot) { m.snap.Store(s) }
 // snapshot builds the coordinator's snapshot; it runs on the coordinator goroutine.
 func (c *coordinator) snapshot() *metricsSnapshot {
 	s := &metricsSnapshot{at: time.Now(), started: c.started, epoch: c.inst.epoch,
-		global: c.stats.Global, fanin: c.stats.Fanin, workers: len(c.workers), inflight: c.inflightAll}
+		global: c.stats.Global, fanin: c.stats.Fanin, workers: len(c.workers), inflight: c.inflightAll,
+		claimMax: c.claimMax}
 	now := time.Now()
 	names := map[string]bool{}
 	for name := range c.pools {
@@ -82,6 +85,7 @@ func (c *coordinator) snapshot() *metricsSnapshot {
 		ss := stageSnapshot{name: name, workers: perStage[name], inflight: c.inflight[name]}
 		if p := c.pools[name]; p != nil {
 			ss.held = p.held(now)
+			ss.paused = p.cfg.Paused
 		}
 		if sc := c.stats.Stages[name]; sc != nil {
 			ss.c = *sc
@@ -182,6 +186,8 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 		}
 		p.sample("pepsi_workers", "gauge", "Live worker processes.", "", s.workers)
 		p.sample("pepsi_in_flight", "gauge", "Messages in workers' queues.", "", s.inflight)
+		p.sample("pepsi_claim_seconds_max", "gauge", "Longest claim statement since the start.", "",
+			fmt.Sprintf("%.6f", s.claimMax.Seconds()))
 		for _, st := range s.stages {
 			l := stageLabel(st.name)
 			p.sample("pepsi_stage_workers", "gauge", "Live worker processes per stage.", l, st.workers)
@@ -191,6 +197,11 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 				held = 1
 			}
 			p.sample("pepsi_stage_held", "gauge", "1 while the stage's program is on launch cool-down.", l, held)
+			paused := 0
+			if st.paused {
+				paused = 1
+			}
+			p.sample("pepsi_stage_paused", "gauge", "1 while the stage is paused (PAUSED = yes, pepsi-queue pause).", l, paused)
 		}
 		for _, def := range stageCounterDefs {
 			typ := "counter"
@@ -219,8 +230,8 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 	}
 }
 
-// rowStatuses are the statuses pepsi_rows counts (done rows are not counted: they only grow).
-var rowStatuses = []string{"failed", "paused", "pending", "running", "waiting"}
+// rowStatuses are the statuses pepsi_rows counts (done and cancelled rows are not counted: they only grow).
+var rowStatuses = []string{"failed", "held", "paused", "pending", "running", "waiting"}
 
 // writeRows adds the row gauges: rows per stage and status, and the oldest pending row's age.
 // Every stage of known and every stage with rows gets a sample for every status of rowStatuses,
@@ -232,7 +243,7 @@ func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter
 	rows, err := db.QueryContext(ctx, `
 		SELECT stage, status, count(*),
 		       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)::float8
-		  FROM workqueue WHERE status IN ('pending', 'running', 'paused', 'waiting', 'failed')
+		  FROM workqueue WHERE status IN ('pending', 'running', 'paused', 'waiting', 'held', 'failed')
 		 GROUP BY stage, status ORDER BY stage, status`)
 	if err != nil {
 		p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 0)
@@ -270,7 +281,7 @@ func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter
 	names := slices.Sorted(maps.Keys(stages))
 	for _, stage := range names {
 		for _, status := range rowStatuses {
-			p.sample("pepsi_rows", "gauge", "Rows per stage and status (done rows are not counted).",
+			p.sample("pepsi_rows", "gauge", "Rows per stage and status (done and cancelled rows are not counted).",
 				fmt.Sprintf("stage=%q,status=%q", stage, status), counts[key{stage, status}])
 		}
 	}

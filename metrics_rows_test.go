@@ -43,7 +43,7 @@ func TestMetricsRowsZero(t *testing.T) {
 	}
 	var zeros []string
 	for _, st := range []string{"a", "b"} {
-		for _, status := range []string{"failed", "paused", "pending", "running", "waiting"} {
+		for _, status := range []string{"failed", "held", "paused", "pending", "running", "waiting"} {
 			zeros = append(zeros, `pepsi_rows{stage="`+st+`",status="`+status+`"} 0`)
 		}
 		zeros = append(zeros, `pepsi_oldest_pending_seconds{stage="`+st+`"} 0.000`)

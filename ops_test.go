@@ -252,12 +252,13 @@ func TestSystemdNotify(t *testing.T) {
 	}
 }
 
-// TestRetention: old done rows go, in batches, when idle; every other status and young done
-// rows stay.
+// TestRetention: done and cancelled rows that finished long ago go, in batches, when idle;
+// every other status, young done rows and old rows that finished recently stay.
 func TestRetention(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, `INSERT INTO workqueue (stage, status, created_at)
 		SELECT 'zz', st, now() - interval '10 days' FROM unnest(ARRAY['pending','paused','failed']) st`)
+	s.exec(t, `UPDATE workqueue SET status_at = created_at`)
 	// A parent waiting on an open group of two children, one of them done long ago: its parent
 	// still needs it, so retention must leave it (and the fan-in trigger would refuse anyway).
 	parent := insertOne(t, s, "zz", `{}`)
@@ -268,17 +269,24 @@ func TestRetention(t *testing.T) {
 	s.exec(t, `UPDATE workqueue SET status = 'waiting', wait_fanout_id = $2, created_at = now() - interval '10 days' WHERE workqueue_id = $1`, parent, group)
 	s.exec(t, `INSERT INTO workqueue (stage, status, fanout_id, fanout_seq, created_at)
 		SELECT 'zz', st, $1, n, now() - interval '10 days' FROM unnest(ARRAY['done', 'pending']) WITH ORDINALITY AS x(st, n)`, group)
-	s.exec(t, `INSERT INTO workqueue (stage, status, created_at) SELECT 'zz', 'done', now() - interval '10 days' FROM generate_series(1, 2500)`)
+	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at) SELECT 'zz', 'done', now() - interval '10 days', now() - interval '10 days' FROM generate_series(1, 2500)`)
+	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at) SELECT 'zz', 'cancelled', now() - interval '10 days', now() - interval '8 days' FROM generate_series(1, 3)`)
 	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'zz', 'done' FROM generate_series(1, 7)`)
+	// Enqueued long ago, finished just now: RETENTION counts from the end, not the start.
+	s.exec(t, `INSERT INTO workqueue (stage, status, created_at) VALUES ('zz', 'done', now() - interval '10 days')`)
+	s.exec(t, `UPDATE workqueue SET status_at = created_at WHERE fanout_id IS NOT NULL OR workqueue_id = $1`, parent)
 	d := startDaemon(t, baseConf(s, "RETENTION = 7d"), "pipeline")
 	waitFor(t, 30*time.Second, "old done rows deleted", func() bool {
-		return s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'done'`) == 8
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('done', 'cancelled')`) == 9
 	})
 	d.waitLog("retention: deleted old done rows", 5*time.Second)
 	for st, want := range map[string]int{"pending": 2, "paused": 1, "waiting": 1, "failed": 1} {
 		if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status = $1`, st); n != want {
 			t.Errorf("retention touched a %s row (%d left, want %d)", st, n, want)
 		}
+	}
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'done' AND created_at < now() - interval '9 days' AND fanout_id IS NULL`); n != 1 {
+		t.Errorf("retention deleted a row that finished just now (counted from created_at)")
 	}
 	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'done' AND fanout_id IS NOT NULL`); n != 1 {
 		t.Errorf("retention deleted the done child of an open group")
@@ -424,6 +432,7 @@ func TestInstall(t *testing.T) {
 		"usr/bin/pepsi-dispatch", "usr/share/man/man1/pepsi-dispatch.1", "usr/share/man/man5/pepsi.conf.5",
 		"usr/share/man/man7/pepsi-worker.7", "usr/share/pepsi/schema.sql", "usr/share/pepsi/pepsi.conf.example",
 		"lib/systemd/system/pepsi-dispatch.service", "usr/lib/sysusers.d/pepsi.conf",
+		"usr/bin/pepsi-queue", "usr/share/man/man1/pepsi-queue.1", "usr/share/pepsi/operate.sql",
 	} {
 		if _, err := os.Stat(root + "/" + f); err != nil {
 			t.Errorf("not installed: %s", f)
@@ -452,7 +461,9 @@ func TestInstall(t *testing.T) {
 	if out, err := exec.Command("make", "-s", "uninstall", "DESTDIR="+root, "PREFIX=/usr").CombinedOutput(); err != nil {
 		t.Errorf("make uninstall: %v\n%s", err, out)
 	}
-	if _, err := os.Stat(root + "/usr/bin/pepsi-dispatch"); err == nil {
-		t.Error("uninstall left the binary")
+	for _, f := range []string{"usr/bin/pepsi-dispatch", "usr/bin/pepsi-queue", "usr/share/pepsi/operate.sql"} {
+		if _, err := os.Stat(root + "/" + f); err == nil {
+			t.Errorf("uninstall left %s", f)
+		}
 	}
 }

@@ -108,6 +108,12 @@ func (c *coordinator) fail(m *message, reason string) {
 	if m.forgotten {
 		return // a reconcile found its row no longer our claim: the guarded write would be a no-op
 	}
+	if m.cancelled {
+		// An operator cancelled it while it ran: the stage's refused outcome (or a kill) is
+		// expected, and the write, guarded by status = 'running', would change nothing.
+		c.log.Debug("cancelled message's failure not recorded", "stage", m.stage, "id", m.id, "reason", reason)
+		return
+	}
 	c.queueFailure(m, reason, false)
 	c.noteFailure(m, reason, time.Now())
 }
@@ -115,7 +121,7 @@ func (c *coordinator) fail(m *message, reason string) {
 // failCrashed queues the failure write of a dead worker's head message; whether it failed is
 // noted when the write tells (writeOutcomes, settleCrashes).
 func (c *coordinator) failCrashed(m *message, reason string) {
-	if m.forgotten {
+	if m.forgotten || m.cancelled {
 		return // as in fail
 	}
 	c.queueFailure(m, reason, true)

@@ -25,6 +25,7 @@ func (c *coordinator) setStages(stages map[string]*StageConfig) {
 		}
 		c.pools[name] = p
 	}
+	c.logPaused(old)
 }
 
 // reloadError is a reload that failed. It is fatal with exit status 1
@@ -61,6 +62,10 @@ func (c *coordinator) reload() {
 		c.log.Warn("reload: [pepsi-dispatch], [database] and [poolcounter] changes need a restart; kept the running values")
 	}
 	if sameStages(stages, c.cfg.Stages) {
+		return
+	}
+	if changed := pauseOnly(stages, c.cfg.Stages); changed != nil {
+		c.applyPauses(stages, changed) // pepsi-queue pause/resume: no worker is retired
 		return
 	}
 	cfg := *c.cfg

@@ -1,11 +1,11 @@
 // retention.go: deleting old done rows, a little at a time, when the pipeline is idle.
 //
-// With RETENTION set, done rows created longer ago than that are deleted in batches of
-// retentionBatch, only while nothing is in flight, at most retentionBatches per turn and one
-// turn per retentionEvery. Rows are walked in id order from a cursor kept in memory, so a turn
-// does not rescan what the previous one deleted; ids grow with time, so the walk stops at the
-// first row that is too young and starts over next turn. Failed rows are kept until a person
-// acts; children of fan-out groups that are still open are never touched (their parent still
+// With RETENTION set, done and cancelled rows that finished (status_at) longer ago than that
+// are deleted in batches of retentionBatch, only while nothing is in flight, at most
+// retentionBatches per turn and one turn per retentionEvery. Rows are walked in id order from a
+// cursor kept in memory, so a turn does not rescan what the previous one deleted; a batch that
+// finds fewer rows than it may delete has reached the end, and the walk starts over next turn.
+// Failed rows are kept until a person acts (pepsi-queue delete); children of fan-out groups that are still open are never touched (their parent still
 // needs them, and the fan-in trigger refuses it anyway).
 
 package main
@@ -23,12 +23,14 @@ const (
 	retentionEvery   = time.Minute
 )
 
-// retentionSQL deletes up to $3 done rows older than $1 seconds after id $2; it returns how
-// many and the last id.
+// retentionSQL deletes up to $3 done or cancelled rows that finished more than $1 seconds ago
+// (status_at; rows from before that column existed count from created_at), after id $2; it
+// returns how many and the last id.
 const retentionSQL = `
 WITH doomed AS (
     SELECT w.workqueue_id FROM workqueue w
-     WHERE w.workqueue_id > $2 AND w.status = 'done' AND w.created_at < now() - make_interval(secs => $1)
+     WHERE w.workqueue_id > $2 AND w.status IN ('done', 'cancelled')
+       AND coalesce(w.status_at, w.created_at) < now() - make_interval(secs => $1)
        AND (w.fanout_id IS NULL OR NOT EXISTS (
              SELECT 1 FROM fanout f WHERE f.fanout_id = w.fanout_id AND f.state = 'open'))
      ORDER BY w.workqueue_id

@@ -40,6 +40,7 @@ UPDATE workqueue q
    SET attempts = q.attempts + 1,
        state    = jsonb_set(coalesce(q.state, '{}'), '{dispatch_error}', to_jsonb(f.reason)),
        status   = CASE WHEN q.attempts + 1 >= f.max_attempts THEN 'failed' ELSE 'paused' END,
+       status_at = now(),
        retry_at = CASE WHEN q.attempts + 1 >= f.max_attempts THEN NULL
                        ELSE now() + make_interval(secs => f.delay * power(2, least(q.attempts, 40))) END
   FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::int[], $6::float8[])
@@ -49,7 +50,7 @@ RETURNING q.workqueue_id, q.status, q.retry_at`
 
 // resetSQL puts pipelined messages that never ran back to pending, attempts unchanged.
 const resetSQL = `
-UPDATE workqueue q SET status = 'pending'
+UPDATE workqueue q SET status = 'pending', status_at = now()
   FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, stage, claim)
  WHERE q.workqueue_id = f.id AND q.status = 'running' AND q.stage = f.stage AND q.claim = f.claim`
 
@@ -57,7 +58,7 @@ UPDATE workqueue q SET status = 'pending'
 // defer), and says when the next one is due.
 const retrySQL = `
 WITH due AS (
-    UPDATE workqueue SET status = 'pending', retry_at = NULL
+    UPDATE workqueue SET status = 'pending', retry_at = NULL, status_at = now()
      WHERE status = 'paused' AND retry_at <= now()
     RETURNING 1
 )

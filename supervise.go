@@ -30,11 +30,12 @@ const (
 type workerFate int
 
 const (
-	fateNone     workerFate = iota // still alive, or died on its own (a crash)
-	fateStopped                    // stdin closed by us (idle, recycled, shutdown): a clean exit is expected
-	fateTimeout                    // killed by the watchdog: the head message timed out
-	fateProtocol                   // killed after a reply that did not parse (head already failed)
-	fateRetired                    // killed by a reload or a shutdown: its queue goes back to pending
+	fateNone      workerFate = iota // still alive, or died on its own (a crash)
+	fateStopped                     // stdin closed by us (idle, recycled, shutdown): a clean exit is expected
+	fateTimeout                     // killed by the watchdog: the head message timed out
+	fateProtocol                    // killed after a reply that did not parse (head already failed)
+	fateRetired                     // killed by a reload or a shutdown: its queue goes back to pending
+	fateCancelled                   // killed because an operator cancelled its head (operate.go): as retired
 )
 
 const (
@@ -238,7 +239,8 @@ func (c *coordinator) onExit(ev workerExit) {
 		c.stats.stage(w.stage).Timeouts++
 		c.fail(q[0], fmt.Sprintf("stage %s: timeout after %v (worker killed)", w.stage, c.cfg.Dispatch.MaxRuntime))
 		c.resets = append(c.resets, q[1:]...)
-	case w.fate == fateProtocol || w.fate == fateRetired:
+	case w.fate == fateProtocol || w.fate == fateRetired || w.fate == fateCancelled:
+		// The resets are guarded by the claim: a cancelled head is left as the operator left it.
 		c.resets = append(c.resets, q...)
 	case atStart && !poison:
 		c.holdStage(w, reason, now)

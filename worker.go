@@ -44,6 +44,9 @@ type message struct {
 	fanout   int64 // fanout_id of a fan-out child, 0 for others
 
 	forgotten bool // a reconcile found its row no longer our claim: no write of ours applies
+	// cancelled: an operator cancelled it while it was running (operate.go); its failure, if
+	// the stage reports one, is not written (the guarded write would change nothing anyway).
+	cancelled bool
 }
 
 // worker is one worker process of a stage.

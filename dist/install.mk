@@ -7,7 +7,8 @@
 # It installs the binary that `make build` left at the top of the tree (it does not build: run
 # `make build` first, as yourself, then `make install` as root):
 #     $(BINDIR)/pepsi-dispatch                          the static daemon
-#     $(MANDIR)/man1/pepsi-dispatch.1, man5/pepsi.conf.5, man7/pepsi-worker.7
+#     $(BINDIR)/pepsi-queue                             the operator's command
+#     $(MANDIR)/man1/pepsi-dispatch.1, pepsi-queue.1, man5/pepsi.conf.5, man7/pepsi-worker.7
 #     $(SHAREDIR)/pepsi.conf.example, schema.sql and the files it includes
 #                                                       (PEPSI_SQL), examples/shell-stage
 #     $(DOCDIR)/README.md, scale-out.md
@@ -37,11 +38,11 @@ PEPSI_TOP := $(abspath $(dir $(lastword $(MAKEFILE_LIST)))/..)
 # Where the binary lands on the target system (BINDIR without DESTDIR), for the unit.
 PEPSI_RUN_BINDIR = $(patsubst $(DESTDIR)%,%,$(BINDIR))
 
-PEPSI_MANS = doc/pepsi-dispatch.1 doc/pepsi.conf.5 doc/pepsi-worker.7
+PEPSI_MANS = doc/pepsi-dispatch.1 doc/pepsi-queue.1 doc/pepsi.conf.5 doc/pepsi-worker.7
 
 # schema.sql and every file it includes with \ir: psql looks for those beside schema.sql, so
 # they are installed in the same directory. A file added to schema.sql's includes goes here.
-PEPSI_SQL = schema.sql fanin.sql
+PEPSI_SQL = schema.sql fanin.sql operate.sql
 
 .PHONY: install uninstall install-bin install-man install-share install-doc install-systemd
 
@@ -56,6 +57,9 @@ install-bin:
 	    echo "install: $(PEPSI_TOP)/pepsi-dispatch is missing: run 'make build' first" >&2; exit 1; }
 	$(INSTALL) -d $(BINDIR)
 	$(INSTALL) -m 0755 $(PEPSI_TOP)/pepsi-dispatch $(BINDIR)/pepsi-dispatch
+	@test -x $(PEPSI_TOP)/pepsi-queue || { \
+	    echo "install: $(PEPSI_TOP)/pepsi-queue is missing: run 'make build' first" >&2; exit 1; }
+	$(INSTALL) -m 0755 $(PEPSI_TOP)/pepsi-queue $(BINDIR)/pepsi-queue
 
 install-man:
 	@for f in $(PEPSI_MANS); do \
@@ -84,7 +88,8 @@ install-systemd:
 	$(INSTALL) -m 0644 $(PEPSI_TOP)/dist/pepsi.sysusers $(DESTDIR)$(SYSUSERSDIR)/pepsi.conf
 
 uninstall:  ## remove what install installed (not /etc/pepsi, not the pepsi account)
-	rm -f $(BINDIR)/pepsi-dispatch
+	rm -f $(BINDIR)/pepsi-dispatch $(BINDIR)/pepsi-queue
+	rm -f $(MANDIR)/man1/pepsi-queue.1 $(MANDIR)/man1/pepsi-queue.1.gz
 	rm -f $(MANDIR)/man1/pepsi-dispatch.1 $(MANDIR)/man1/pepsi-dispatch.1.gz
 	rm -f $(MANDIR)/man5/pepsi.conf.5 $(MANDIR)/man5/pepsi.conf.5.gz
 	rm -f $(MANDIR)/man7/pepsi-worker.7 $(MANDIR)/man7/pepsi-worker.7.gz

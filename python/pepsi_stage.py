@@ -481,7 +481,7 @@ class Message:
         assert self._kept is not None
         stage, status, retry_at, state = self._kept
         self._kept = None
-        sets = ["status = %s"]
+        sets = ["status = %s, status_at = now()"]  # status_at: see operate.sql
         args: List[Any] = [status]
         if stage is not None:
             sets.append("stage = %s, attempts = 0")
@@ -588,7 +588,8 @@ _LOAD = ("SELECT coalesce(json_agg(json_build_array(workqueue_id, attempts, payl
 # the planner knows the arrays' lengths). NULL state keeps the row's state.
 _OUTCOMES = """WITH written AS (UPDATE workqueue AS w SET stage = coalesce(v.stage, w.stage), status = v.status,
        attempts = CASE WHEN v.stage IS NULL THEN w.attempts ELSE 0 END,
-       retry_at = coalesce(v.retry_at, w.retry_at), state = coalesce(v.state, w.state)
+       retry_at = coalesce(v.retry_at, w.retry_at), state = coalesce(v.state, w.state),
+       status_at = now()
   FROM unnest(%(ids)s::bigint[], %(stages)s::text[], %(statuses)s::text[],
               %(retry)s::timestamptz[], %(states)s::jsonb[])
        AS v (id, stage, status, retry_at, state),

@@ -56,7 +56,9 @@ type execer interface {
 // own savepoint (a fused stage's savepoint moves the row there), the claimed stage for an
 // outcome kept until the end of the batch.
 func (m *Message) update(ctx context.Context, on execer, c change, state []byte, guard string) error {
-	set := "status = " + pq.QuoteLiteral(c.kind.status)
+	// Every writer of a status sets status_at in the same UPDATE (operate.sql says why it is
+	// not a trigger's job).
+	set := "status = " + pq.QuoteLiteral(c.kind.status) + ", status_at = now()"
 	if c.stage != "" {
 		// An advance resets attempts: MAX_ATTEMPTS counts failures at one stage.
 		set += ", stage = " + pq.QuoteLiteral(c.stage) + ", attempts = 0"
@@ -118,7 +120,7 @@ func outcomeStatement(ids []int64, stages []sql.NullString, statuses []string, r
 	}
 	return `UPDATE workqueue AS w SET stage = coalesce(v.stage, w.stage), status = v.status,
        attempts = CASE WHEN v.stage IS NULL THEN w.attempts ELSE 0 END,
-       retry_at = coalesce(v.retry_at, w.retry_at), state = v.state
+       retry_at = coalesce(v.retry_at, w.retry_at), state = v.state, status_at = now()
   FROM unnest(` + lits[0] + `::bigint[], ` + lits[1] + `::text[], ` + lits[2] + `::text[], ` +
 		lits[3] + `::timestamptz[], ` + lits[4] + `::jsonb[])
        AS v (id, stage, status, retry_at, state),
