@@ -221,7 +221,7 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 	if s := c.snap(); s != nil {
 		for _, st := range s.stages {
 			v := get(st.name)
-			v.Workers, v.InFlight, v.Held = st.workers, st.inflight, st.held
+			v.Workers, v.InFlight, v.Held, v.Paused = st.workers, st.inflight, st.held, st.paused
 		}
 	}
 	rows, err := c.pool().QueryContext(ctx, `
@@ -255,7 +255,7 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 	}
 	var out []*stageView
 	for name, v := range views {
-		v.Paused = paused[name]
+		v.Paused = v.Paused || paused[name] // the running configuration, or an overlay row not yet reloaded
 		v.Chart = chartSVG(c.samples.points(name))
 		out = append(out, v)
 	}
@@ -326,7 +326,7 @@ func (c *console) stages(r *http.Request) (string, string, any, error) {
 	}
 	var out []stageRow
 	for _, sc := range running {
-		out = append(out, stageRow{sc, paused[sc.Name]})
+		out = append(out, stageRow{sc, sc.Paused || paused[sc.Name]})
 	}
 	return "Stages", "stages", struct {
 		Stages  []stageRow

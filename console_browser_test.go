@@ -217,24 +217,39 @@ func TestConsoleBrowser(t *testing.T) {
 	// Log in through the header's form, then retry the group through its form.
 	wd.typeInto(`input[name="token"]`, testConsoleToken)
 	wd.click(`form.login button`)
+	// The click submits the form; wait for the page it leads to (the header then offers to
+	// log out) before opening another, or the open would cut the login short.
+	waitFor(t, 15*time.Second, "the logged-in page", func() bool {
+		return strings.Contains(wd.source(), `action="/logout"`)
+	})
 	wd.open(base + "/failures")
 	wd.click(`form button[value="retry"]`)
+	waitFor(t, 15*time.Second, "the retry's result shown", func() bool {
+		return strings.Contains(wd.source(), "retry: 10 changed")
+	})
+	wd.screenshot(shots, "failures-retried")
 	waitFor(t, 60*time.Second, "the retried group done", func() bool {
 		return s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'done'`) == 30
 	})
-	if n := s.count(t, `SELECT count(*) FROM operator_log WHERE action = 'retry'`); n != 1 {
-		t.Errorf("operator_log has %d retry entries, want 1", n)
+	if n := s.count(t, `SELECT count(*) FROM operator_log WHERE action = 'retry' AND os_user = 'console' AND changed = 10`); n != 1 {
+		t.Errorf("operator_log has %d retry entries of 10 rows by the console, want 1", n)
 	}
 
 	// Pause and resume a stage from the stages page.
 	wd.open(base + "/stages")
 	wd.screenshot(shots, "stages")
 	wd.click(`form input[value="enrich"] ~ button[value="pause"]`)
+	waitFor(t, 15*time.Second, "the pause's result shown", func() bool {
+		return strings.Contains(wd.source(), "stage enrich paused")
+	})
 	waitFor(t, 10*time.Second, "enrich paused in the config table", func() bool {
 		return s.count(t, `SELECT count(*) FROM config WHERE section = 'stage-enrich' AND upper(key) = 'PAUSED' AND lower(value) = 'yes'`) == 1
 	})
 	wd.open(base + "/stages")
 	wd.click(`form input[value="enrich"] ~ button[value="resume"]`)
+	waitFor(t, 15*time.Second, "the resume's result shown", func() bool {
+		return strings.Contains(wd.source(), "stage enrich resumed")
+	})
 	waitFor(t, 10*time.Second, "enrich resumed", func() bool {
 		return s.count(t, `SELECT count(*) FROM config WHERE section = 'stage-enrich' AND upper(key) = 'PAUSED' AND lower(value) = 'yes'`) == 0
 	})
