@@ -107,6 +107,7 @@ type StageConfig struct {
 	Fuse        bool          // a predecessor's worker may run this stage in its own pass
 	MaxChildren int           // a range split makes at most this many children (PEPSI_MAX_CHILDREN)
 	MinSpan     int64         // each range slice spans at least this much (PEPSI_MIN_SPAN)
+	KeyLimit    int           // at most this many messages per concurrency_key in workers' queues; 0: no limit
 
 	origin map[string]string // key (and "" for the section) -> "FILE:LINE" for errors
 }
@@ -120,7 +121,7 @@ func (s *StageConfig) equal(o *StageConfig) bool {
 		s.Parallelism == o.Parallelism && s.QueueLimit == o.QueueLimit &&
 		s.MaxMessages == o.MaxMessages && s.MaxAttempts == o.MaxAttempts &&
 		s.RetryDelay == o.RetryDelay && s.Fuse == o.Fuse &&
-		s.MaxChildren == o.MaxChildren && s.MinSpan == o.MinSpan
+		s.MaxChildren == o.MaxChildren && s.MinSpan == o.MinSpan && s.KeyLimit == o.KeyLimit
 }
 
 // configError is an operator mistake in the file or the overlay; start-up maps it to exit 2.
@@ -565,6 +566,8 @@ func (s *StageConfig) set(key, value string) error {
 		s.Fuse, err = parseBool(value)
 	case "MAX_CHILDREN":
 		s.MaxChildren, err = parseCount(value, 1, 10000000)
+	case "KEY_LIMIT":
+		s.KeyLimit, err = parseCount(value, 1, 1<<31-1)
 	case "MIN_SPAN":
 		var n int
 		n, err = parseCount(value, 1, 1<<31-1)
