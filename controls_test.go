@@ -627,3 +627,63 @@ func TestControlsSaturatedKeyClaimCost(t *testing.T) {
 		t.Logf("saturated:\n%s\nalone:\n%s", satPlan, alonePlan)
 	}
 }
+
+// ---- all four ----
+
+// One message with a priority, a run_at, a concurrency key at its limit and a unique key:
+// a duplicate is refused, it is not claimed before run_at nor while its key is at its limit,
+// it goes before the larger priorities of its key, and its unique key is free once it is done.
+func TestControlsAllFour(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, keylogDDL)
+	conf := baseConf(s, "") + stageConf(t, "a", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4\nKEY_LIMIT = 1")
+	conf = strings.Replace(conf, "POLL_INTERVAL = 1", "POLL_INTERVAL = 1h", 1)
+	d := startDaemon(t, conf, "controls")
+	// The key is busy for a while: a slow message, then three more of priority 5.
+	s.exec(t, `INSERT INTO workqueue (stage, payload, concurrency_key) VALUES ('a', '{"sleep_ms": 2500}', 'k')`)
+	waitFor(t, 30*time.Second, "the slow message started", func() bool {
+		return s.count(t, `SELECT count(*) FROM keylog WHERE ev = 'start'`) == 1
+	})
+	s.exec(t, `INSERT INTO workqueue (stage, payload, concurrency_key, priority) SELECT 'a', '{"sleep_ms": 10}', 'k', 5 FROM generate_series(1, 3)`)
+	insert := func() (int64, bool) {
+		rows, err := s.DB.Query(`INSERT INTO workqueue (stage, payload, priority, run_at, concurrency_key, unique_key)
+			VALUES ('a', '{"sleep_ms": 10}', -1, now() + interval '1 second', 'k', 'u-1')
+			ON CONFLICT DO NOTHING RETURNING workqueue_id`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		var id int64
+		if !rows.Next() {
+			return 0, false
+		}
+		rows.Scan(&id)
+		return id, true
+	}
+	id, ok := insert()
+	if !ok {
+		t.Fatal("the first insert of u-1 inserted nothing")
+	}
+	if _, ok := insert(); ok {
+		t.Fatal("a duplicate of u-1 was inserted")
+	}
+	waitFor(t, 60*time.Second, "every message done", func() bool { return countStatus(t, s, "done") == 5 })
+	// Due at run_at, but the key was busy until the slow message ended: claimed after both,
+	// and before the three priority-5 messages of its key.
+	var claimed, runAt, slowLeft time.Time
+	if err := s.DB.QueryRow(`SELECT w.claimed_at, w.run_at, (SELECT at FROM keylog WHERE ev = 'left' ORDER BY at LIMIT 1)
+		FROM workqueue w WHERE workqueue_id = $1`, id).Scan(&claimed, &runAt, &slowLeft); err != nil {
+		t.Fatal(err)
+	}
+	if claimed.Before(runAt) || claimed.Before(slowLeft) {
+		t.Errorf("claimed at %v: run_at %v, the key was free from %v", claimed, runAt, slowLeft)
+	}
+	order := ids(t, s, `SELECT id FROM keylog WHERE ev = 'start' ORDER BY at`)
+	if len(order) != 5 || order[1] != id {
+		t.Errorf("start order %v: want the priority -1 message (%d) second, after the slow one", order, id)
+	}
+	if _, ok := insert(); !ok {
+		t.Error("u-1 is not free again once its message is done")
+	}
+	d.stop()
+}
