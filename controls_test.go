@@ -572,6 +572,9 @@ func TestControlsSaturatedKeyClaimCost(t *testing.T) {
 	if testing.Short() {
 		t.Skip("100,000 rows")
 	}
+	if !strings.Contains(claimSQL, fmt.Sprintf("LIMIT %d) r))", parkChunk)) {
+		t.Fatalf("claimSQL's parking LIMIT is not parkChunk (%d)", parkChunk)
+	}
 	s := newTestSchema(t)
 	s.exec(t, `INSERT INTO workqueue (stage, concurrency_key) SELECT 'a', 'hot' FROM generate_series(1, 100000)`)
 	s.exec(t, `INSERT INTO workqueue (stage, concurrency_key) SELECT 'a', 'k' || g FROM generate_series(1, 1000) g`)
@@ -595,7 +598,7 @@ func TestControlsSaturatedKeyClaimCost(t *testing.T) {
 		if others := s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'pending' AND concurrency_key <> 'hot'`); res.total != 64 && others > 0 {
 			t.Fatalf("claim %d took %d rows while %d other rows were pending: the saturated key held the others back", claims, res.total, others)
 		}
-		if res.parked > 2000 {
+		if res.parked > parkChunk {
 			t.Fatalf("one claim parked %d rows", res.parked)
 		}
 		if res.parked == 0 {
