@@ -43,21 +43,32 @@ import (
 //   - The inbox test reads the first inbox id through its primary key rather than EXISTS,
 //     which scans the heap and its dead rows until autovacuum has run.
 //
-// Concurrency keys (KEY_LIMIT) cost nothing for rows without one: the walk is the only read,
-// keys (empty) and parked (one probe of an empty index) add no row. For keyed rows:
-//   - The walk's keyed rows name the keys to consider; each key's next free-slot rows come
-//     from workqueue_keyed in (priority, id) order, so a key's rows start in that order even
-//     when some of them are parked, and only those rows compete for the stage's cap.
-//   - A key the claim leaves at its limit has the rest of its pending rows parked (key_parked):
-//     they leave workqueue_pending, so the next walks never read them again (with 100,000
-//     parked rows of one key and 1,000 others, a claim reads what it reads for the 1,000:
-//     see BENCHMARKS.md). Each row is parked at most once per stage visit; the claim that
-//     takes it clears the flag.
+// Concurrency keys (KEY_LIMIT) cost nothing for rows without one: the walk is the only read
+// (its key filter stops at concurrency_key IS NULL), and parked (one probe of an empty index),
+// blocked and keys add no row. For keyed rows, each choice measured in the controls benchmark:
+//   - A key's rows are taken by key, never by the walk: the walk's keyed rows only name the
+//     keys to consider, and each key's next free-slot rows come from workqueue_keyed and
+//     workqueue_parked merged in (priority, id) order, so a key's rows start in that order
+//     even when some of them are parked, and only those rows compete for the stage's cap.
+//   - A key the claim leaves at its limit while its rows blocked the walk (or that has parked
+//     rows already, or that the coordinator has at its limit) has its next pending rows
+//     parked (key_parked): they leave workqueue_pending, so later walks never read them again
+//     (with 100,000 parked rows of one key and 1,000 others, a claim reads what it reads for
+//     the 1,000). Parking is bounded per claim (parkChunk). The claim that takes a row clears
+//     its flag. Parking every key the claim saturated, as a first version did, parked a whole
+//     round-robin backlog of 1,000 keys (18,000 rows) in one statement of seconds.
 //   - parked lists the keys with parked rows by a skip scan of workqueue_parked: one probe
 //     per parked key, whatever its backlog, so a key whose slot freed is found again without
 //     any memory in the coordinator (a restart, an operator's edit lose nothing). Only those
 //     keys' parked rows are read (has_parked): probing workqueue_parked for every keyed row of
 //     the walk cost 3 pages a key (192 of a 64-row claim's 1,080) for nothing.
+//   - The walk skips the rows of blocked keys (at their limit in the coordinator's count, or
+//     with parked rows: those are served by key) through a hashed subplan over the index's
+//     own entries. Without it a key with one free slot put its whole unparked backlog in
+//     front of the other keys until every row of it was parked (1,000 other keys behind
+//     100,000 rows of one: 10.7 s against 1.4 s alone); a per-row = ANY (array) there and a
+//     per-key count over the pick were quadratic in the number of keys (1,000 keys: 437
+//     messages/s against 3,380 without KEY_LIMIT).
 //   - The ids to park, like the ids to claim, are picked through the index first and updated
 //     by primary key; both UPDATEs read one snapshot and touch disjoint rows (park excludes
 //     the pick).
@@ -70,18 +81,9 @@ import (
 // events (for writers the coordinator cannot hear), and how many rows this claim parked.
 const claimSQL = `
 WITH RECURSIVE stages AS (
-    SELECT c.*, ARRAY(SELECT b.key FROM unnest($4::text[], $5::text[], $6::int[]) AS b(stage, key, n)
-                       WHERE b.stage = c.stage AND c.key_limit > 0 AND b.n >= c.key_limit) AS full_keys
-      FROM unnest($1::text[], $2::int[], $3::int[]) AS c(stage, cap, key_limit)
-), walk AS MATERIALIZED (
-    SELECT c.stage, c.cap, c.key_limit, p.workqueue_id, p.priority, p.concurrency_key
-      FROM stages c
-     CROSS JOIN LATERAL (
-           SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w
-            WHERE w.status = 'pending' AND NOT w.key_parked AND w.stage = ANY (ARRAY[c.stage])
-              AND (w.concurrency_key IS NULL OR NOT w.concurrency_key = ANY (c.full_keys))
-            ORDER BY w.stage, w.priority, w.workqueue_id
-            LIMIT c.cap) p
+    SELECT * FROM unnest($1::text[], $2::int[], $3::int[]) AS c(stage, cap, key_limit)
+), busy AS (
+    SELECT * FROM unnest($4::text[], $5::text[], $6::int[]) AS b(stage, key, n)
 ), parked (stage, key) AS (
     (SELECT w.stage, w.concurrency_key FROM workqueue w
       WHERE w.status = 'pending' AND w.key_parked
@@ -91,15 +93,32 @@ WITH RECURSIVE stages AS (
            SELECT w.stage, w.concurrency_key AS key FROM workqueue w
             WHERE w.status = 'pending' AND w.key_parked AND (w.stage, w.concurrency_key) > (k.stage, k.key)
             ORDER BY w.stage, w.concurrency_key LIMIT 1) n
+), full_keys AS (
+    SELECT b.stage, b.key FROM busy b JOIN stages c ON c.stage = b.stage
+     WHERE c.key_limit > 0 AND b.n >= c.key_limit
+), blocked AS MATERIALIZED (
+    SELECT stage, key FROM full_keys UNION SELECT stage, key FROM parked
+), walk AS MATERIALIZED (
+    SELECT c.stage, c.cap, c.key_limit, p.workqueue_id, p.priority, p.concurrency_key
+      FROM stages c
+     CROSS JOIN LATERAL (
+           SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w
+            WHERE w.status = 'pending' AND NOT w.key_parked AND w.stage = ANY (ARRAY[c.stage])
+              AND (w.concurrency_key IS NULL
+                   OR NOT ((w.stage, w.concurrency_key) IN (SELECT stage, key FROM blocked)))
+            ORDER BY w.stage, w.priority, w.workqueue_id
+            LIMIT c.cap) p
 ), keys AS MATERIALIZED (
-    SELECT k.stage, k.key, c.cap, c.key_limit, k.key IN (SELECT key FROM parked p WHERE p.stage = k.stage) AS has_parked,
+    SELECT k.stage, k.key, c.cap, c.key_limit, k.has_parked, k.walked,
            least(CASE WHEN c.key_limit > 0 THEN greatest(c.key_limit - coalesce(b.n, 0), 0) ELSE c.cap END, c.cap) AS free
-      FROM (SELECT stage, concurrency_key AS key FROM walk WHERE concurrency_key IS NOT NULL AND key_limit > 0
-            UNION
-            SELECT stage, key FROM parked) k
+      FROM (SELECT u.stage, u.key, bool_or(u.parked) AS has_parked, count(*) FILTER (WHERE NOT u.parked) AS walked
+              FROM (SELECT stage, concurrency_key AS key, false AS parked FROM walk
+                     WHERE concurrency_key IS NOT NULL AND key_limit > 0
+                    UNION ALL
+                    SELECT stage, key, true FROM parked) u
+             GROUP BY u.stage, u.key) k
       JOIN stages c ON c.stage = k.stage
-      LEFT JOIN unnest($4::text[], $5::text[], $6::int[]) AS b(stage, key, n)
-             ON b.stage = k.stage AND b.key = k.key
+      LEFT JOIN busy b ON b.stage = k.stage AND b.key = k.key
 ), keyed AS (
     SELECT k.stage, k.cap, r.workqueue_id, r.priority, r.concurrency_key
       FROM keys k
@@ -131,11 +150,13 @@ WITH RECURSIVE stages AS (
        AND coalesce(q.status, '') = 'pending'
     RETURNING q.workqueue_id, q.stage, q.claim, q.attempts, q.fanout_id, q.priority, q.concurrency_key
 ), saturated AS (
-    SELECT k.stage, k.key FROM keys k
-     WHERE k.key_limit > 0
-       AND k.free <= (SELECT count(*) FROM pick p WHERE p.stage = k.stage AND p.concurrency_key = k.key)
+    SELECT k.stage, k.key
+      FROM keys k
+      LEFT JOIN (SELECT stage, concurrency_key, count(*) AS n FROM pick GROUP BY stage, concurrency_key) p
+             ON p.stage = k.stage AND p.concurrency_key = k.key
+     WHERE k.key_limit > 0 AND k.free <= coalesce(p.n, 0) AND (k.has_parked OR k.walked > coalesce(p.n, 0))
     UNION
-    SELECT c.stage, f.key FROM stages c CROSS JOIN LATERAL unnest(c.full_keys) AS f(key)
+    SELECT stage, key FROM full_keys
 ), parking AS (
     UPDATE workqueue q SET key_parked = true
      WHERE q.workqueue_id = ANY (ARRAY(
@@ -147,7 +168,8 @@ WITH RECURSIVE stages AS (
                        AND w.stage = s.stage AND w.concurrency_key = s.key
                        AND NOT w.workqueue_id = ANY (ARRAY(SELECT workqueue_id FROM pick))
                      ORDER BY w.stage, w.concurrency_key, w.priority, w.workqueue_id
-                     LIMIT 2000) r))
+                     LIMIT 2000) r
+              LIMIT 2000))
        AND coalesce(q.status, '') = 'pending'
     RETURNING 1
 )

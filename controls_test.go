@@ -572,7 +572,7 @@ func TestControlsSaturatedKeyClaimCost(t *testing.T) {
 	if testing.Short() {
 		t.Skip("100,000 rows")
 	}
-	if !strings.Contains(claimSQL, fmt.Sprintf("LIMIT %d) r))", parkChunk)) {
+	if !strings.Contains(claimSQL, fmt.Sprintf("LIMIT %d) r\n              LIMIT %d))", parkChunk, parkChunk)) {
 		t.Fatalf("claimSQL's parking LIMIT is not parkChunk (%d)", parkChunk)
 	}
 	s := newTestSchema(t)
