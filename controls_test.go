@@ -690,3 +690,51 @@ func TestControlsAllFour(t *testing.T) {
 	}
 	d.stop()
 }
+
+// With the statistics of a table analysed before its backlog arrived (as a run starts), a
+// key's rows are found through workqueue_keyed, not by reading the stage's pending rows and
+// filtering on the key; custom and generic plans alike.
+func TestControlsClaimPlanStaleStatistics(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `VACUUM ANALYZE workqueue`)
+	s.exec(t, `INSERT INTO workqueue (stage, concurrency_key) SELECT 's1', 'k' || (g % 1000) FROM generate_series(1, 20000) g`)
+	s.exec(t, `UPDATE workqueue SET key_parked = true WHERE workqueue_id > 4000 AND workqueue_id % 3 = 0`)
+	conn := openLockConn(t, s)
+	ctx := context.Background()
+	bs, bk, bn := []string{}, []string{}, []int64{}
+	for i := 0; i < 1000; i += 2 {
+		bs, bk, bn = append(bs, "s1"), append(bk, "k"+strconv.Itoa(i)), append(bn, 1)
+	}
+	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+		if _, err := conn.ExecContext(ctx, "SET plan_cache_mode = "+mode); err != nil {
+			t.Fatal(err)
+		}
+		tx, err := conn.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rows, err := tx.QueryContext(ctx, "EXPLAIN (ANALYZE, COSTS OFF) "+claimSQL, pq.Array([]string{"s1"}), pq.Array([]int64{2048}),
+			pq.Array([]int64{2}), pq.Array(bs), pq.Array(bk), pq.Array(bn))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var plan strings.Builder
+		for rows.Next() {
+			var line string
+			rows.Scan(&line)
+			plan.WriteString(line + "\n")
+		}
+		rows.Close()
+		tx.Rollback()
+		p := plan.String()
+		if strings.Contains(p, "Seq Scan on workqueue") {
+			t.Errorf("%s: a sequential scan of workqueue:\n%s", mode, p)
+		}
+		if !strings.Contains(p, "using workqueue_keyed") {
+			t.Errorf("%s: a key's rows are not read through workqueue_keyed:\n%s", mode, p)
+		}
+		if regexp.MustCompile(`using workqueue_pending on workqueue \w+ \(actual[^\n]*loops=([2-9]|\d\d+)\)`).MatchString(p) {
+			t.Errorf("%s: workqueue_pending is read per key:\n%s", mode, p)
+		}
+	}
+}

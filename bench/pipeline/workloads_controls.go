@@ -69,6 +69,7 @@ type ctlBench struct {
 	beforeRev                string
 	running                  []*exec.Cmd // dispatchers started and not yet stopped
 	queueLimit               int         // QUEUE_LIMIT of the next dispatcher started
+	only                     []string    // the steps to run; nil: all
 	md                       strings.Builder
 }
 
@@ -79,6 +80,7 @@ func controlsMain(args []string) int {
 	small := fs.Bool("small", false, "smaller W1, keyed and priority sizes, for a shared machine")
 	runs := fs.Int("runs", 0, "W1 runs per build (default 5)")
 	keep := fs.Bool("keep", false, "keep the temporary directory")
+	only := fs.String("only", "", "comma-separated steps to run (w1,keyed,saturated,priority); default all")
 	fs.Parse(args)
 	c := &ctlBench{sz: ctlFull, queueLimit: 256}
 	if *small {
@@ -89,6 +91,9 @@ func controlsMain(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
+	if *only != "" {
+		c.only = strings.Split(*only, ",")
+	}
 	err := c.run(ctx, *before, "cd bench && go run ./pipeline controls "+strings.Join(args, " "))
 	c.cleanup(*keep)
 	if err == nil {
@@ -154,8 +159,15 @@ func (c *ctlBench) run(ctx context.Context, beforeRev, command string) error {
 	fmt.Fprintf(&c.md, "Command: `%s` (from the repository root's `bench/`), %s, PostgreSQL %s, %d CPUs, host %s, %s. "+
 		"\"before\" is %s, \"after\" this tree. One stage, PARALLELISM 8, QUEUE_LIMIT 256, MAX_MESSAGES 1000000.\n\n",
 		strings.TrimSpace(command), goVersion(), c.pg.version, numCPU(), host, time.Now().UTC().Format("2006-01-02 15:04 UTC"), c.beforeRev)
-	for _, step := range []func(context.Context) error{c.w1, c.keyedRuns, c.saturated, c.priority} {
-		if err := step(ctx); err != nil {
+	steps := []struct {
+		name string
+		fn   func(context.Context) error
+	}{{"w1", c.w1}, {"keyed", c.keyedRuns}, {"saturated", c.saturated}, {"priority", c.priority}}
+	for _, st := range steps {
+		if c.only != nil && !slices.Contains(c.only, st.name) {
+			continue
+		}
+		if err := st.fn(ctx); err != nil {
 			return err
 		}
 	}
@@ -399,10 +411,11 @@ func (c *ctlBench) w1(ctx context.Context) error {
 
 // claimStats reads the claim statement's calls (found by its CTE full_keys: pg_stat_statements
 // replaces the constants, such as the sequence's name, with parameters), rows and server time from pg_stat_statements.
-func (c *ctlBench) claimStats(ctx context.Context, b *ctlBuild) (calls, rows int64, ms float64, err error) {
-	err = c.pg.admin.QueryRow(ctx, `SELECT coalesce(sum(calls), 0)::bigint, coalesce(sum(rows), 0)::bigint, coalesce(sum(total_exec_time), 0)
+func (c *ctlBench) claimStats(ctx context.Context, b *ctlBuild) (calls, rows int64, ms, maxMS float64, err error) {
+	err = c.pg.admin.QueryRow(ctx, `SELECT coalesce(sum(calls), 0)::bigint, coalesce(sum(rows), 0)::bigint, coalesce(sum(total_exec_time), 0),
+		       coalesce(max(max_exec_time), 0)
 		  FROM pg_stat_statements
-		 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = $1) AND query LIKE '%full_keys%'`, b.db).Scan(&calls, &rows, &ms)
+		 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = $1) AND query LIKE '%full_keys%'`, b.db).Scan(&calls, &rows, &ms, &maxMS)
 	return
 }
 
@@ -415,13 +428,13 @@ func (c *ctlBench) keyedRuns(ctx context.Context) error {
 	fmt.Fprintf(&c.md, "Enqueued round-robin over the keys in one statement; the stage is `pipeline/sleepstage` with BENCH_SLEEP_US=1000 "+
 		"(8 workers: at most 8,000/s). Claim cost from pg_stat_statements: the claim statement's server time over the rows it claimed "+
 		"(its rows less one per call, the final row).\n\n")
-	fmt.Fprintf(&c.md, "| KEY_LIMIT | msg/s | claims | claimed rows | claim ms total | µs per claimed row |\n|---|---|---|---|---|---|\n")
+	fmt.Fprintf(&c.md, "| KEY_LIMIT | msg/s | claims | claimed rows | claim ms total | longest claim ms | µs per claimed row |\n|---|---|---|---|---|---|---|\n")
 	for _, lim := range []string{"", "KEY_LIMIT = 2"} {
 		el, err := c.backlog(ctx, c.after, "sleep-stage", lim, insert, "", "BENCH_SLEEP_US=1000")
 		if err != nil {
 			return fmt.Errorf("keyed %q: %w", lim, err)
 		}
-		calls, rows, ms, err := c.claimStats(ctx, c.after)
+		calls, rows, ms, maxMS, err := c.claimStats(ctx, c.after)
 		if err != nil {
 			return err
 		}
@@ -431,8 +444,8 @@ func (c *ctlBench) keyedRuns(ctx context.Context) error {
 			name = "2"
 		}
 		rate := float64(c.sz.keyed) / el.Seconds()
-		logf("controls:   keyed KEY_LIMIT %s: %.0f/s, %d claims, %.1f µs per claimed row", name, rate, calls, 1000*ms/float64(max(claimed, 1)))
-		fmt.Fprintf(&c.md, "| %s | %.0f | %d | %d | %.0f | %.1f |\n", name, rate, calls, claimed, ms, 1000*ms/float64(max(claimed, 1)))
+		logf("controls:   keyed KEY_LIMIT %s: %.0f/s, %d claims, %.1f µs per claimed row, longest claim %.0f ms", name, rate, calls, 1000*ms/float64(max(claimed, 1)), maxMS)
+		fmt.Fprintf(&c.md, "| %s | %.0f | %d | %d | %.0f | %.0f | %.1f |\n", name, rate, calls, claimed, ms, maxMS, 1000*ms/float64(max(claimed, 1)))
 	}
 	c.md.WriteString("\n")
 	return nil
