@@ -738,3 +738,73 @@ func TestControlsClaimPlanStaleStatistics(t *testing.T) {
 		}
 	}
 }
+
+// Within a key, messages are claimed in priority, then enqueue, order, whether they wait
+// parked or not, one at a time at KEY_LIMIT = 1 while other keys flow.
+func TestControlsKeyOrder(t *testing.T) {
+	s := newTestSchema(t)
+	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
+	for i := 0; i < 60; i++ {
+		s.exec(t, `INSERT INTO workqueue (stage, concurrency_key, priority) VALUES ('a', $1, $2)`,
+			[]string{"k", "k", "other"}[i%3], rng.IntN(5)-2)
+	}
+	conn := openLockConn(t, s)
+	var cl claimer
+	defer cl.close()
+	keys := &keyLoad{limit: map[string]int{"a": 1}}
+	var got []int64
+	var parked int64
+	for round := 0; round < 200; round++ {
+		res, err := cl.claim(context.Background(), conn, map[string]int{"a": 8}, keys)
+		if err != nil {
+			t.Fatal(err)
+		}
+		parked += res.parked
+		ms := res.byStage["a"]
+		n := 0
+		for _, m := range ms {
+			if m.key == "k" {
+				got = append(got, m.id)
+				n++
+			}
+		}
+		if n > 1 {
+			t.Fatalf("claim took %d rows of key k at KEY_LIMIT = 1", n)
+		}
+		keys.take(ms)
+		var ids []int64
+		for _, m := range ms {
+			ids = append(ids, m.id)
+		}
+		// The new rows finish at once: the next claim sees their slots free.
+		s.exec(t, `UPDATE workqueue SET status = 'done' WHERE workqueue_id = ANY ($1)`, pq.Array(ids))
+		keys.release(ms...)
+		if s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'pending'`) == 0 {
+			break
+		}
+		if round == 2 {
+			// Late arrivals of the key with the smallest priority go first among what is left.
+			s.exec(t, `INSERT INTO workqueue (stage, concurrency_key, priority) VALUES ('a', 'k', -3), ('a', 'k', -3)`)
+		}
+	}
+	if parked == 0 {
+		t.Error("no row of k was ever parked: the test did not reach the parked path")
+	}
+	// Replay: at each claim of k, the row taken was the first in (priority, id) of those of k
+	// still pending then, which is the order of got among rows inserted before it was taken.
+	want := ids(t, s, `SELECT workqueue_id FROM workqueue WHERE concurrency_key = 'k' ORDER BY priority, workqueue_id`)
+	late := ids(t, s, `SELECT workqueue_id FROM workqueue WHERE concurrency_key = 'k' AND priority = -3 ORDER BY workqueue_id`)
+	if len(got) != len(want) {
+		t.Fatalf("took %d rows of k, want %d", len(got), len(want))
+	}
+	// The two late rows were inserted after three claims: they come right after the rows
+	// taken before, then the rest in order.
+	initial := slices.DeleteFunc(slices.Clone(want), func(id int64) bool { return slices.Contains(late, id) })
+	wantOrder := append(append(slices.Clone(initial[:3]), late...), initial[3:]...)
+	if !slices.Equal(got, wantOrder) {
+		t.Errorf("key k taken in order %v\nwant %v", got, wantOrder)
+	}
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status <> 'done'`); n != 0 {
+		t.Errorf("%d rows left", n)
+	}
+}

@@ -21,6 +21,7 @@
 -- Who writes what:
 --   workqueue        INSERT by producers (enqueue); pending->running and every failure or
 --                    reset by the dispatcher only, guarded by (status, stage, claim);
+--                    key_parked by the dispatcher's claim only;
 --                    a stage's outcome (advance, done, defer, split) by the stage itself,
 --                    guarded by status = 'running' AND its own stage.
 --   config           operators (each change notifies config_changed).
