@@ -369,6 +369,14 @@ func (c *ctlBench) backlog(ctx context.Context, b *ctlBuild, program, extra, ins
 	return time.Since(t0), nil
 }
 
+func fmtFloats(xs []float64) string {
+	var p []string
+	for _, x := range xs {
+		p = append(p, fmt.Sprintf("%.1f", x))
+	}
+	return strings.Join(p, ", ")
+}
+
 func fmtRates(xs []float64) string {
 	var p []string
 	for _, x := range xs {
@@ -381,7 +389,7 @@ func fmtRates(xs []float64) string {
 func (c *ctlBench) w1(ctx context.Context) error {
 	logf("controls: W1, %d messages, before and after alternating, %d runs each", c.sz.w1, c.sz.runs)
 	insert := fmt.Sprintf(`INSERT INTO workqueue (stage, payload) SELECT 's1', jsonb_build_object('msg', g) FROM generate_series(1, %d) g`, c.sz.w1)
-	rates := map[string][]float64{}
+	rates, claimUS := map[string][]float64{}, map[string][]float64{}
 	for r := 0; r <= c.sz.runs; r++ {
 		order := []*ctlBuild{c.before, c.after}
 		if r%2 == 1 {
@@ -393,9 +401,15 @@ func (c *ctlBench) w1(ctx context.Context) error {
 				return fmt.Errorf("W1 %s: %w", b.name, err)
 			}
 			rate := float64(c.sz.w1) / el.Seconds()
-			logf("controls:   W1 run %d %-6s %8.0f/s", r, b.name, rate)
+			calls, rows, ms, _, err := c.claimStats(ctx, b)
+			if err != nil {
+				return err
+			}
+			perRow := 1000 * ms / float64(max(rows-calls, 1))
+			logf("controls:   W1 run %d %-6s %8.0f/s, claim %.1f µs per claimed row (%d claims)", r, b.name, rate, perRow, calls)
 			if r > 0 {
 				rates[b.name] = append(rates[b.name], rate)
+				claimUS[b.name] = append(claimUS[b.name], perRow)
 			}
 		}
 	}
@@ -403,19 +417,93 @@ func (c *ctlBench) w1(ctx context.Context) error {
 	fmt.Fprintf(&c.md, "## W1, no controls used: before against after\n\n")
 	fmt.Fprintf(&c.md, "%d messages enqueued in one statement into an idle dispatcher, one no-op stage (`pipeline/stage`), time until all are done; "+
 		"%d runs per build after one warm-up run each, the builds alternating (the first of a pair swaps every run).\n\n", c.sz.w1, c.sz.runs)
-	fmt.Fprintf(&c.md, "| build | median msg/s | runs |\n|---|---|---|\n| before (%s) | %.0f | %s |\n| after | %.0f | %s |\n\n",
-		c.beforeRev, mb, fmtRates(rates["before"]), ma, fmtRates(rates["after"]))
-	fmt.Fprintf(&c.md, "after / before = **%.3f** (%+.1f %%).\n\n", ma/mb, 100*(ma/mb-1))
+	cb, ca := median(claimUS["before"]), median(claimUS["after"])
+	fmt.Fprintf(&c.md, "| build | median msg/s | runs (msg/s) | median claim µs per claimed row | runs (µs) |\n|---|---|---|---|---|\n"+
+		"| before (%s) | %.0f | %s | %.1f | %s |\n| after | %.0f | %s | %.1f | %s |\n\n",
+		c.beforeRev, mb, fmtRates(rates["before"]), cb, fmtFloats(claimUS["before"]), ma, fmtRates(rates["after"]), ca, fmtFloats(claimUS["after"]))
+	fmt.Fprintf(&c.md, "after / before: rate **%.3f** (%+.1f %%), claim server time per claimed row **%.3f** (pg_stat_statements: "+
+		"the claim's total_exec_time over its rows less one per call).\n\n", ma/mb, 100*(ma/mb-1), ca/cb)
+	return c.explainW1(ctx)
+}
+
+// explainW1 shows each build's own claim (from its claim.go) on the same backlog of 100,000
+// pending rows without controls, capacity 2048, in a transaction rolled back: pages read and
+// server time, which the machine's other load disturbs less than a rate.
+func (c *ctlBench) explainW1(ctx context.Context) error {
+	fmt.Fprintf(&c.md, "Each build's claim (its own `claim.go`) on 100,000 pending rows without controls, capacity 2048, "+
+		"EXPLAIN (ANALYZE, BUFFERS) in a transaction rolled back, 5 times each alternating; median execution time and the buffers:\n\n")
+	fmt.Fprintf(&c.md, "| build | median ms | runs (ms) | buffers |\n|---|---|---|---|\n")
+	times := map[string][]float64{}
+	bufs := map[string]string{}
+	for r := 0; r < 5; r++ {
+		for _, b := range []*ctlBuild{c.before, c.after} {
+			src := filepath.Join(c.root, "claim.go")
+			args := []any{[]string{"s1"}, []int32{2048}, []int32{0}, []string{}, []string{}, []int32{}}
+			if b == c.before {
+				src = filepath.Join(filepath.Dir(b.schema), "claim.go")
+			}
+			text, err := os.ReadFile(src)
+			if err != nil {
+				return err
+			}
+			mm := claimSQLRe.FindSubmatch(text)
+			if mm == nil {
+				return fmt.Errorf("claimSQL not found in %s", src)
+			}
+			if !strings.Contains(string(mm[1]), "$3") {
+				args = args[:2]
+			}
+			if r == 0 {
+				if err := c.reset(ctx, b); err != nil {
+					return err
+				}
+				if _, err := b.pool.Exec(ctx, `INSERT INTO workqueue (stage, payload) SELECT 's1', jsonb_build_object('msg', g) FROM generate_series(1, 100000) g`); err != nil {
+					return err
+				}
+				if _, err := b.pool.Exec(ctx, `VACUUM ANALYZE workqueue`); err != nil {
+					return err
+				}
+			}
+			tx, err := b.pool.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			rows, err := tx.Query(ctx, "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) "+string(mm[1]), args...)
+			if err != nil {
+				tx.Rollback(ctx)
+				return err
+			}
+			lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			tx.Rollback(ctx)
+			if err != nil {
+				return err
+			}
+			for _, l := range lines {
+				if v, ok := strings.CutPrefix(strings.TrimSpace(l), "Execution Time: "); ok {
+					var ms float64
+					fmt.Sscanf(v, "%f", &ms)
+					times[b.name] = append(times[b.name], ms)
+				}
+			}
+			if len(lines) > 1 {
+				bufs[b.name] = strings.TrimSpace(lines[1])
+			}
+		}
+	}
+	for _, b := range []*ctlBuild{c.before, c.after} {
+		fmt.Fprintf(&c.md, "| %s | %.2f | %s | %s |\n", b.name, median(times[b.name]), fmtFloats(times[b.name]), bufs[b.name])
+	}
+	c.md.WriteString("\n")
 	return nil
 }
 
-// claimStats reads the claim statement's calls (found by its CTE full_keys: pg_stat_statements
-// replaces the constants, such as the sequence's name, with parameters), rows and server time from pg_stat_statements.
+// claimStats reads the claim statement's calls (found by its RETURNING list, the same in both
+// builds: pg_stat_statements replaces constants, such as the sequence's name, with parameters), rows and server time from pg_stat_statements.
 func (c *ctlBench) claimStats(ctx context.Context, b *ctlBuild) (calls, rows int64, ms, maxMS float64, err error) {
 	err = c.pg.admin.QueryRow(ctx, `SELECT coalesce(sum(calls), 0)::bigint, coalesce(sum(rows), 0)::bigint, coalesce(sum(total_exec_time), 0),
 		       coalesce(max(max_exec_time), 0)
 		  FROM pg_stat_statements
-		 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = $1) AND query LIKE '%full_keys%'`, b.db).Scan(&calls, &rows, &ms, &maxMS)
+		 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = $1) AND query LIKE '%RETURNING q.workqueue_id, q.stage, q.claim%'`, b.db).Scan(&calls, &rows, &ms, &maxMS)
 	return
 }
 
