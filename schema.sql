@@ -96,12 +96,13 @@ CREATE INDEX IF NOT EXISTS workqueue_parked ON workqueue (stage, concurrency_key
     WHERE status = 'pending' AND key_parked;
 
 -- unique_key: at most one message per key that is not in a terminal status. The list of
--- terminal statuses is the one constant below: adding one (say 'cancelled') is that one edit,
--- and re-applying this file rebuilds the index when the list changed (the list in force is
--- the index's comment). A duplicate INSERT ... ON CONFLICT DO NOTHING inserts nothing.
+-- terminal statuses is the one constant below ('cancelled' is operate.md's, listed even
+-- where the status check does not allow it yet): adding one is that one edit, and
+-- re-applying this file rebuilds the index when the list changed (the list in force is the
+-- index's comment). A duplicate INSERT ... ON CONFLICT DO NOTHING inserts nothing.
 DO $$
 DECLARE
-    terminal constant text := 'done,failed';
+    terminal constant text := 'done,failed,cancelled';
 BEGIN
     IF obj_description(to_regclass('workqueue_unique'), 'pg_class') IS DISTINCT FROM terminal THEN
         DROP INDEX IF EXISTS workqueue_unique;
