@@ -44,37 +44,40 @@ import (
 //     which scans the heap and its dead rows until autovacuum has run.
 //
 // Concurrency keys (KEY_LIMIT) cost nothing for rows without one: the walk is the only read
-// (its key filter stops at concurrency_key IS NULL), and parked (one probe of an empty index),
-// blocked and keys add no row. For keyed rows, each choice measured in the controls benchmark:
-//   - A key's rows are taken by key, never by the walk: the walk's keyed rows only name the
-//     keys to consider, and each key's next free-slot rows come from workqueue_keyed and
-//     workqueue_parked merged in (priority, id) order, so a key's rows start in that order
-//     even when some of them are parked, and only those rows compete for the stage's cap.
-//   - A key the claim leaves at its limit while its rows blocked the walk (or that has parked
-//     rows already, or that the coordinator has at its limit) has its next pending rows
-//     parked (key_parked): they leave workqueue_pending, so later walks never read them again
-//     (with 100,000 parked rows of one key and 1,000 others, a claim reads what it reads for
-//     the 1,000). Parking is bounded per claim (parkChunk). The claim that takes a row clears
-//     its flag. Parking every key the claim saturated, as a first version did, parked a whole
-//     round-robin backlog of 1,000 keys (18,000 rows) in one statement of seconds.
+// (its key filter stops at concurrency_key IS NULL); parked is one probe of an empty index,
+// and blocked, walked, peek, pkeys and to_park are empty. For keyed rows, each choice
+// measured in the controls benchmark (bench/pipeline/workloads_controls.go) or a test:
+//   - A key's rows in the walk are taken from the walk, at most its free slots (KEY_LIMIT
+//     less what the coordinator has in workers' queues), numbered within the key: the walk
+//     is in (priority, id) order, so they are the key's first rows. Routing every walked key
+//     through a per-key lookup, as a first version did, cost two index probes per key per
+//     claim (1,000 keys: 3,247 messages/s against 5,274 without KEY_LIMIT, 273 µs of claim
+//     per claimed row against 94).
+//   - The walk skips the rows of blocked keys: those the coordinator has at their limit, and
+//     those with parked rows (served by key, below), through a hashed subplan on the index's
+//     own entries. Without it a key with one free slot put its unparked backlog in front of
+//     the other keys until all of it was parked (1,000 other keys behind 100,000 rows of one:
+//     10.7 s against 1.4 s alone); a per-row = ANY (array) there was quadratic in the keys.
+//   - A key whose rows fill the walk beyond its free slots by 64 or more, or that fills as
+//     much of the unfiltered front (peek, read only while some key is at its limit), has its
+//     next pending rows parked (key_parked), at most parkChunk per claim: parked rows leave
+//     workqueue_pending, so later walks never read them again (with 100,000 parked rows of one
+//     key and 1,000 others, a claim reads what it reads for the 1,000: TestControls-
+//     SaturatedKeyClaimCost). A key with a few rows ahead of its slots is not parked: a
+//     round-robin backlog over 1,000 keys would otherwise be parked whole and served key by
+//     key. A key with parked rows goes on being parked until none of it is left unparked.
 //   - parked lists the keys with parked rows by a skip scan of workqueue_parked: one probe
 //     per parked key, whatever its backlog, so a key whose slot freed is found again without
-//     any memory in the coordinator (a restart, an operator's edit lose nothing). Only those
-//     keys' parked rows are read (has_parked): probing workqueue_parked for every keyed row of
-//     the walk cost 3 pages a key (192 of a 64-row claim's 1,080) for nothing.
-//   - The walk skips the rows of blocked keys (at their limit in the coordinator's count, or
-//     with parked rows: those are served by key) through a hashed subplan over the index's
-//     own entries. Without it a key with one free slot put its whole unparked backlog in
-//     front of the other keys until every row of it was parked (1,000 other keys behind
-//     100,000 rows of one: 10.7 s against 1.4 s alone); a per-row = ANY (array) there and a
-//     per-key count over the pick were quadratic in the number of keys (1,000 keys: 437
-//     messages/s against 3,380 without KEY_LIMIT).
+//     any memory in the coordinator (a restart, an operator's edit lose nothing). Those keys'
+//     next rows come from workqueue_keyed and workqueue_parked merged in (priority, id) order,
+//     so a key's rows start in that order whether or not they were parked.
 //   - A key's unparked rows are looked up as key >= k AND key <= k, not key = k: equality makes
 //     the key a constant to the planner, and then workqueue_pending, ordered (stage, priority,
 //     id), serves the lookup as well as workqueue_keyed, by reading every pending row of the
 //     stage and filtering on the key; with the statistics of a table analysed before its
-//     backlog it chose that (9 s claims, 339 messages/s with 1,000 keys). As a range the key
-//     stays in the ORDER BY, which only workqueue_keyed yields.
+//     backlog it chose that (9 s claims, 339 messages/s with 1,000 keys:
+//     TestControlsClaimPlanStaleStatistics). As a range the key stays in the ORDER BY, which
+//     only workqueue_keyed yields.
 //   - The ids to park, like the ids to claim, are picked through the index first and updated
 //     by primary key; both UPDATEs read one snapshot and touch disjoint rows (park excludes
 //     the pick, through a hashed subplan: = ANY (ARRAY(...)) there compared each candidate
@@ -100,7 +103,7 @@ WITH RECURSIVE stages AS (
            SELECT w.stage, w.concurrency_key AS key FROM workqueue w
             WHERE w.status = 'pending' AND w.key_parked AND (w.stage, w.concurrency_key) > (k.stage, k.key)
             ORDER BY w.stage, w.concurrency_key LIMIT 1) n
-), full_keys AS (
+), full_keys AS MATERIALIZED (
     SELECT b.stage, b.key FROM busy b JOIN stages c ON c.stage = b.stage
      WHERE c.key_limit > 0 AND b.n >= c.key_limit
 ), blocked AS MATERIALIZED (
@@ -115,20 +118,33 @@ WITH RECURSIVE stages AS (
                    OR NOT ((w.stage, w.concurrency_key) IN (SELECT stage, key FROM blocked)))
             ORDER BY w.stage, w.priority, w.workqueue_id
             LIMIT c.cap) p
-), keys AS MATERIALIZED (
-    SELECT k.stage, k.key, c.cap, c.key_limit, k.has_parked, k.walked,
+), walked AS MATERIALIZED (
+    SELECT w.stage, w.cap, w.workqueue_id, w.priority, w.concurrency_key,
+           greatest(w.key_limit - coalesce(b.n, 0), 0) AS free,
+           row_number() OVER (PARTITION BY w.stage, w.concurrency_key ORDER BY w.priority, w.workqueue_id) AS kn
+      FROM walk w
+      LEFT JOIN busy b ON b.stage = w.stage AND b.key = w.concurrency_key
+     WHERE w.concurrency_key IS NOT NULL AND w.key_limit > 0
+), peek AS (
+    SELECT c.stage, p.concurrency_key AS key, count(*) AS n
+      FROM stages c
+     CROSS JOIN LATERAL (
+           SELECT w.concurrency_key FROM workqueue w
+            WHERE EXISTS (SELECT 1 FROM full_keys f WHERE f.stage = c.stage)
+              AND w.status = 'pending' AND NOT w.key_parked AND w.stage = ANY (ARRAY[c.stage])
+            ORDER BY w.stage, w.priority, w.workqueue_id
+            LIMIT c.cap) p
+     WHERE (c.stage, p.concurrency_key) IN (SELECT stage, key FROM full_keys)
+     GROUP BY c.stage, p.concurrency_key
+), pkeys AS MATERIALIZED (
+    SELECT k.stage, k.key, c.cap, c.key_limit,
            least(CASE WHEN c.key_limit > 0 THEN greatest(c.key_limit - coalesce(b.n, 0), 0) ELSE c.cap END, c.cap) AS free
-      FROM (SELECT u.stage, u.key, bool_or(u.parked) AS has_parked, count(*) FILTER (WHERE NOT u.parked) AS walked
-              FROM (SELECT stage, concurrency_key AS key, false AS parked FROM walk
-                     WHERE concurrency_key IS NOT NULL AND key_limit > 0
-                    UNION ALL
-                    SELECT stage, key, true FROM parked) u
-             GROUP BY u.stage, u.key) k
+      FROM parked k
       JOIN stages c ON c.stage = k.stage
       LEFT JOIN busy b ON b.stage = k.stage AND b.key = k.key
 ), keyed AS (
     SELECT k.stage, k.cap, r.workqueue_id, r.priority, r.concurrency_key
-      FROM keys k
+      FROM pkeys k
      CROSS JOIN LATERAL (
            SELECT u.* FROM (
                   (SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w
@@ -137,17 +153,19 @@ WITH RECURSIVE stages AS (
                     ORDER BY w.stage, w.concurrency_key, w.priority, w.workqueue_id LIMIT k.free)
                   UNION ALL
                   (SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w
-                    WHERE k.has_parked AND w.status = 'pending' AND w.key_parked
+                    WHERE w.status = 'pending' AND w.key_parked
                       AND w.stage = k.stage AND w.concurrency_key = k.key
                     ORDER BY w.stage, w.concurrency_key, w.priority, w.workqueue_id LIMIT k.free)) u
             ORDER BY u.priority, u.workqueue_id LIMIT k.free) r
 ), pick AS MATERIALIZED (
-    SELECT x.stage, x.workqueue_id, x.concurrency_key
+    SELECT x.stage, x.workqueue_id
       FROM (SELECT u.*, row_number() OVER (PARTITION BY u.stage ORDER BY u.priority, u.workqueue_id) AS rn
-              FROM (SELECT stage, cap, workqueue_id, priority, concurrency_key FROM walk
+              FROM (SELECT stage, cap, workqueue_id, priority FROM walk
                      WHERE concurrency_key IS NULL OR NOT key_limit > 0
-                    UNION
-                    SELECT stage, cap, workqueue_id, priority, concurrency_key FROM keyed) u) x
+                    UNION ALL
+                    SELECT stage, cap, workqueue_id, priority FROM walked WHERE kn <= free
+                    UNION ALL
+                    SELECT stage, cap, workqueue_id, priority FROM keyed) u) x
      WHERE x.rn <= x.cap
 ), claimed AS (
     UPDATE workqueue q
@@ -156,19 +174,18 @@ WITH RECURSIVE stages AS (
      WHERE q.workqueue_id = ANY (ARRAY(SELECT workqueue_id FROM pick))
        AND coalesce(q.status, '') = 'pending'
     RETURNING q.workqueue_id, q.stage, q.claim, q.attempts, q.fanout_id, q.priority, q.concurrency_key
-), saturated AS (
-    SELECT k.stage, k.key
-      FROM keys k
-      LEFT JOIN (SELECT stage, concurrency_key, count(*) AS n FROM pick GROUP BY stage, concurrency_key) p
-             ON p.stage = k.stage AND p.concurrency_key = k.key
-     WHERE k.key_limit > 0 AND k.free <= coalesce(p.n, 0) AND (k.has_parked OR k.walked > coalesce(p.n, 0))
+), to_park AS (
+    SELECT stage, concurrency_key AS key FROM walked
+     GROUP BY stage, concurrency_key, free HAVING count(*) - free >= 64
     UNION
-    SELECT stage, key FROM full_keys
+    SELECT k.stage, k.key FROM pkeys k WHERE k.key_limit > 0
+    UNION
+    SELECT stage, key FROM peek WHERE n >= 64
 ), parking AS (
     UPDATE workqueue q SET key_parked = true
      WHERE q.workqueue_id = ANY (ARRAY(
              SELECT r.workqueue_id
-               FROM saturated s
+               FROM to_park s
               CROSS JOIN LATERAL (
                     SELECT w.workqueue_id FROM workqueue w
                      WHERE w.status = 'pending' AND w.concurrency_key IS NOT NULL AND NOT w.key_parked
@@ -191,7 +208,7 @@ UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused'),
        (SELECT id FROM fanin_event ORDER BY id LIMIT 1) IS NOT NULL, (SELECT count(*) FROM parking)`
 
-// parkChunk bounds the rows one claim parks per saturated key (claimSQL's LIMIT 2000; the
+// parkChunk bounds the rows one claim parks (claimSQL's LIMIT 2000, per key and in all; the
 // statement stays one literal, which the benchmark reads out of this file): parking costs
 // about 50 µs a row (each is a new row version in three indexes, and the fan-in statement
 // trigger reads it), so a backlog of 100,000 parked at once would hold the claim for seconds,

@@ -740,13 +740,14 @@ func TestControlsClaimPlanStaleStatistics(t *testing.T) {
 }
 
 // Within a key, messages are claimed in priority, then enqueue, order, whether they wait
-// parked or not, one at a time at KEY_LIMIT = 1 while other keys flow.
+// parked or not, one at a time at KEY_LIMIT = 1 while unkeyed messages flow.
 func TestControlsKeyOrder(t *testing.T) {
 	s := newTestSchema(t)
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
-	for i := 0; i < 60; i++ {
-		s.exec(t, `INSERT INTO workqueue (stage, concurrency_key, priority) VALUES ('a', $1, $2)`,
-			[]string{"k", "k", "other"}[i%3], rng.IntN(5)-2)
+	// Enough rows of k that the walk meets more than parking's threshold (64) it cannot take.
+	for i := 0; i < 250; i++ {
+		key := sql.NullString{String: "k", Valid: i%5 != 0} // one in five has no key
+		s.exec(t, `INSERT INTO workqueue (stage, concurrency_key, priority) VALUES ('a', $1, $2)`, key, rng.IntN(5)-2)
 	}
 	conn := openLockConn(t, s)
 	var cl claimer
@@ -754,8 +755,8 @@ func TestControlsKeyOrder(t *testing.T) {
 	keys := &keyLoad{limit: map[string]int{"a": 1}}
 	var got []int64
 	var parked int64
-	for round := 0; round < 200; round++ {
-		res, err := cl.claim(context.Background(), conn, map[string]int{"a": 8}, keys)
+	for round := 0; round < 400; round++ {
+		res, err := cl.claim(context.Background(), conn, map[string]int{"a": 128}, keys)
 		if err != nil {
 			t.Fatal(err)
 		}
