@@ -406,6 +406,9 @@ func (c *ctlBench) w1(ctx context.Context) error {
 				return err
 			}
 			perRow := 1000 * ms / float64(max(rows-calls, 1))
+			if os.Getenv("CONTROLS_TOP") != "" {
+				c.logTop(ctx, b)
+			}
 			logf("controls:   W1 run %d %-6s %8.0f/s, claim %.1f µs per claimed row (%d claims)", r, b.name, rate, perRow, calls)
 			if r > 0 {
 				rates[b.name] = append(rates[b.name], rate)
@@ -505,6 +508,25 @@ func (c *ctlBench) claimStats(ctx context.Context, b *ctlBuild) (calls, rows int
 		  FROM pg_stat_statements
 		 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = $1) AND query LIKE '%RETURNING q.workqueue_id, q.stage, q.claim%'`, b.db).Scan(&calls, &rows, &ms, &maxMS)
 	return
+}
+
+// logTop logs b's five statements with the most server time since the last reset.
+func (c *ctlBench) logTop(ctx context.Context, b *ctlBuild) {
+	rows, err := c.pg.admin.Query(ctx, `SELECT calls, rows, total_exec_time, left(regexp_replace(query, '\s+', ' ', 'g'), 90)
+		  FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = $1)
+		 ORDER BY total_exec_time DESC LIMIT 5`, b.db)
+	if err != nil {
+		logf("top: %v", err)
+		return
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var calls, n int64
+		var ms float64
+		var q string
+		rows.Scan(&calls, &n, &ms, &q)
+		logf("controls:     %-6s %7d calls %8d rows %9.0f ms  %s", b.name, calls, n, ms, q)
+	}
 }
 
 // keyedRuns: messages over keys, a 1 ms handler, KEY_LIMIT = 2 against no limit.
