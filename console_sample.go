@@ -157,8 +157,10 @@ func chartSVG(pts []samplePoint) template.HTML {
 		maxRate = math.Max(maxRate, math.Max(p.Done, p.Failed))
 		maxBacklog = max(maxBacklog, p.Backlog)
 	}
-	x := func(i int) float64 { return pad + (w-2*pad)*float64(i)/float64(consoleSamples-1) }
-	off := consoleSamples - len(pts) // the newest point is at the right edge
+	// The x axis spans the points there are (up to the hour kept), newest at the right edge,
+	// so the first minutes after a start fill the chart instead of its last sliver.
+	x := func(i int) float64 { return pad + (w-2*pad)*float64(i)/float64(len(pts)-1) }
+	off := 0
 	y := func(v, top float64) float64 { return h - pad - (h-2*pad)*v/top }
 	line := func(v func(samplePoint) float64, top float64) string {
 		var s strings.Builder
@@ -173,6 +175,7 @@ func chartSVG(pts []samplePoint) template.HTML {
 	fmt.Fprintf(&b, `<polygon class="backlog" points="%s"/>`, area)
 	fmt.Fprintf(&b, `<polyline class="done" points="%s"/>`, line(func(p samplePoint) float64 { return p.Done }, maxRate))
 	fmt.Fprintf(&b, `<polyline class="failed" points="%s"/>`, line(func(p samplePoint) float64 { return p.Failed }, maxRate))
-	fmt.Fprintf(&b, `<text x="4" y="12" class="legend">max %.0f/s · backlog max %d</text></svg>`, maxRate, maxBacklog)
+	span := pts[len(pts)-1].At.Sub(pts[0].At).Round(time.Second)
+	fmt.Fprintf(&b, `<text x="4" y="12" class="legend">last %s · max %.0f/s · backlog max %d</text></svg>`, span, maxRate, maxBacklog)
 	return template.HTML(b.String())
 }
