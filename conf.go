@@ -16,6 +16,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
@@ -63,6 +64,10 @@ type Config struct {
 	// stageEntries are the file's [stage-*] entries, over which the config table's overlay
 	// is applied (buildStages); a reload reads the file again for fresh ones.
 	stageEntries []iniEntry
+
+	// consoleToken is the credential read from CONSOLE_TOKEN_FILE at start-up, before the
+	// privilege drop (loadConsoleToken); never logged.
+	consoleToken string
 }
 
 // DispatchConfig is the [pepsi-dispatch] section. It is read once at start-up; a reload
@@ -77,6 +82,8 @@ type DispatchConfig struct {
 	ConfigFile        string        // passed to workers as -c; "" passes nothing
 	User              string        // account to drop to when started as root
 	MetricsListen     string        // host:port of the /metrics endpoint; "" = off
+	ConsoleTokenFile  string        // the web console's credential file; "" = read-only console
+	consoleTokenAt    string        // FILE:LINE of CONSOLE_TOKEN_FILE, for its errors
 	Retention         time.Duration // delete done rows older than this; 0 = keep
 	Standby           bool          // wait for the single-instance lock instead of exiting 1 (standby.go)
 	LockKeepalive     time.Duration // a vanished holder's lock session ends within this; 0 = server's settings
@@ -416,6 +423,11 @@ func (d *DispatchConfig) set(e iniEntry) error {
 	case "METRICS_LISTEN":
 		err = checkListen(e.Value)
 		d.MetricsListen = e.Value
+	case "CONSOLE_TOKEN_FILE":
+		if e.Value == "" || !filepath.IsAbs(e.Value) {
+			err = fmt.Errorf("want an absolute path, got %q", e.Value)
+		}
+		d.ConsoleTokenFile, d.consoleTokenAt = e.Value, e.Where
 	default:
 		err = errors.New("unknown key in [pepsi-dispatch]")
 	}

@@ -146,6 +146,9 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
 		}
 		defer metricsLn.Close()
 	}
+	if err := cfg.loadConsoleToken(); err != nil {
+		return err
+	}
 	if err := dropPrivileges(cfg, log); err != nil {
 		return err
 	}
@@ -177,6 +180,11 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
 	var metrics *metricsServer
 	if metricsLn != nil {
 		metrics = &metricsServer{locks: ls, ha: ha, log: log.With("component", "metrics"), version: version}
+		if cfg.DSN != "" {
+			if err := metrics.addConsole(cfg.consoleToken); err != nil {
+				return err
+			}
+		}
 		// It serves from the start: a dispatcher waiting for a primary or, as a standby, for
 		// the lock says so there; the row gauges come once the pool exists (metrics.db).
 		side.Add(1)

@@ -19,6 +19,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -36,6 +37,7 @@ type metricsSnapshot struct {
 	fanin    faninCounters
 	workers  int
 	inflight int
+	config   []*StageConfig // the stage table as the coordinator runs it, sorted by name
 	claimMax time.Duration
 }
 
@@ -56,6 +58,7 @@ type metricsServer struct {
 	locks   *lockServer            // nil without [poolcounter]
 	log     *slog.Logger
 	version string
+	console *console // the web console under /; nil for the lock service alone
 }
 
 // publish is called by the coordinator with a fresh snapshot.
@@ -90,6 +93,11 @@ func (c *coordinator) snapshot() *metricsSnapshot {
 		s.stages = append(s.stages, ss)
 	}
 	slices.SortFunc(s.stages, func(a, b stageSnapshot) int { return strings.Compare(a.name, b.name) })
+	for _, p := range c.pools {
+		sc := *p.cfg // a copy: the console reads it on another goroutine
+		s.config = append(s.config, &sc)
+	}
+	slices.SortFunc(s.config, func(a, b *StageConfig) int { return strings.Compare(a.Name, b.Name) })
 	return s
 }
 
@@ -106,7 +114,17 @@ func listenMetrics(addr string) (net.Listener, error) {
 func (m *metricsServer) serve(ctx context.Context, ln net.Listener) {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /metrics", m.handle)
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	var sampling sync.WaitGroup
+	if m.console != nil {
+		m.console.routes(mux)
+		sampling.Add(1)
+		go func() { defer sampling.Done(); m.console.samples.sampleLoop(ctx) }()
+	}
+	var h http.Handler = mux
+	if m.console != nil {
+		h = withConsoleHeaders(mux)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -119,6 +137,7 @@ func (m *metricsServer) serve(ctx context.Context, ln net.Listener) {
 		m.log.Error("metrics endpoint stopped", "err", err)
 	}
 	<-done
+	sampling.Wait()
 }
 
 func (m *metricsServer) handle(w http.ResponseWriter, r *http.Request) {

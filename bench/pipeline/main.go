@@ -144,7 +144,7 @@ func benchMain() int {
 	out := flag.String("out", "", "the Markdown report (default: BENCHMARKS.md at the repository root)")
 	svg := flag.String("svg", "", "the chart (default: bench/results.svg)")
 	only := flag.String("only", "", "comma-separated workloads to run (W1,...,W6); default all")
-	systems := flag.String("systems", "", "comma-separated systems to measure (pepsi,river,river-default,graphile,graphile-default,pgq,raw; pepsi-python only when named); default all")
+	systems := flag.String("systems", "", "comma-separated systems to measure (pepsi,pepsi-console,river,river-default,graphile,graphile-default,pgq,raw; pepsi-python only when named); default all")
 	keep := flag.Bool("keep", false, "keep the temporary directory (logs, cluster) for a look")
 	par := flag.Int("pepsi-workers", pepsiWorkers, "pepsi's worker processes in all: the PARALLELISM of a 1-stage pipeline, divided among the stages of a longer one")
 	ql := flag.Int("pepsi-queue-limit", pepsiQueueLimit, "QUEUE_LIMIT of every pepsi stage")
@@ -309,6 +309,7 @@ func (b *bench) run(ctx context.Context, outPath, svgPath string) error {
 		// Systems of one kind share a database: they never run at the same time, except in W6,
 		// where River with its defaults idles on a database of its own.
 		{name: "pepsi", kind: kindPepsi, label: "pepsi-dispatch", dbname: "bench_workqueue"},
+		{name: consoleSystem, kind: kindPepsi, label: "pepsi-dispatch + console open", dbname: "bench_workqueue", only: map[string]bool{"W1": true}},
 		{name: "river", kind: kindRiver, label: "River (tuned)", dbname: "bench_river"},
 		{name: "river-default", kind: kindRiver, label: "River (defaults)", dbname: "bench_river", once: true},
 		{name: "graphile", kind: kindGraphile, label: "Graphile Worker (tuned)", dbname: "bench_graphile"},

@@ -539,7 +539,7 @@ func (b *bench) report(chartPath string) string {
 // Chart.
 
 var sysColors = map[string]string{
-	"pepsi": "#d62728", "river": "#1f77b4", "river-default": "#9ecae1", "raw": "#7f7f7f",
+	"pepsi": "#d62728", consoleSystem: "#ff9896", "river": "#1f77b4", "river-default": "#9ecae1", "raw": "#7f7f7f",
 	"graphile": "#2ca02c", "graphile-default": "#98df8a", "pgq": "#ff7f0e",
 }
 

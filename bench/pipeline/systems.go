@@ -428,16 +428,18 @@ type sutProc struct {
 	exited    chan struct{}
 	waitErr   error
 	stopped   bool
-	leftover  int // sessions still busy after the system stopped
+	leftover  int            // sessions still busy after the system stopped
+	console   *consoleClient // pepsi-console: the client on its web console
 }
 
 // startOpts says how to start a system for one run.
 type startOpts struct {
-	stages int  // 1 or 3
-	stamp  bool // record first-stage start times (latency workloads)
-	fuse   bool // pepsi: FUSE = yes on every stage after the first (W4f)
-	wide   bool // pepsi: the whole worker budget on every stage (W4w), not divided
-	tag    string
+	stages  int  // 1 or 3
+	stamp   bool // record first-stage start times (latency workloads)
+	fuse    bool // pepsi: FUSE = yes on every stage after the first (W4f)
+	wide    bool // pepsi: the whole worker budget on every stage (W4w), not divided
+	tag     string
+	console string // pepsi-console: METRICS_LISTEN, set by startSUT
 }
 
 // startSUT starts the system and waits until it is ready to work.
@@ -453,6 +455,11 @@ func (b *bench) startSUT(ctx context.Context, s *system, o startOpts) (*sutProc,
 	var ready func() error
 	switch s.kind {
 	case kindPepsi:
+		if s.name == consoleSystem {
+			if o.console, err = consoleAddr(); err != nil {
+				return nil, err
+			}
+		}
 		conf, err := b.writePepsiConf(s, o)
 		if err != nil {
 			return nil, err
@@ -507,6 +514,9 @@ func (b *bench) startSUT(ctx context.Context, s *system, o startOpts) (*sutProc,
 		p.stop()
 		return nil, err
 	}
+	if o.console != "" {
+		p.console = startConsoleClient(o.console)
+	}
 	return p, nil
 }
 
@@ -553,6 +563,9 @@ func (p *sutProc) stop() error {
 	}
 	p.stopped = true
 	defer p.endSessions()
+	if p.console != nil {
+		p.console.stop()
+	}
 	select {
 	case <-p.exited:
 		return fmt.Errorf("%s had exited: %v (see %s)", p.sys.name, p.waitErr, p.logPath)
@@ -637,6 +650,9 @@ func (b *bench) writePepsiConf(s *system, o startOpts) (string, error) {
 	fmt.Fprintf(&w, "[database]\nDSN = %s\n\n[pepsi-dispatch]\n", s.dsn)
 	if os.Geteuid() == 0 {
 		w.WriteString("USER = nobody\n")
+	}
+	if o.console != "" {
+		fmt.Fprintf(&w, "METRICS_LISTEN = %s\n", o.console)
 	}
 	conf := filepath.Join(b.tmp, fmt.Sprintf("pepsi-%s.conf", o.tag))
 	fmt.Fprintf(&w, "CONFIG_FILE = %s\n", conf)

@@ -6,7 +6,10 @@
 //	deliver  one demo_mailbox row per recipient, in the message's own transaction -> done
 //
 // A message whose addresses do not parse is not retried (it never will parse): it is finished
-// at parse with state.rejected. demo_mailbox is created by demo/run:
+// at parse with state.rejected. A recipient whose domain is listed in demo_outage (the demo's
+// stand-in for a relay that is down) fails at deliver with a connection error, so the demo
+// has one cause of failure to find and retry. demo_mailbox and demo_outage are created by
+// demo/run:
 //
 //	CREATE TABLE demo_mailbox (workqueue_id bigint, recipient text, sender text, subject text,
 //	                           route text, size int, PRIMARY KEY (workqueue_id, recipient))
@@ -14,6 +17,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -130,6 +134,16 @@ func deliver(ctx context.Context, m *stage.Message) error {
 	routeOf := make([]string, len(rcpts))
 	for i, r := range rcpts {
 		routeOf[i], _ = route[r].(string)
+	}
+	var down string
+	err = m.Tx.QueryRowContext(ctx, `
+		SELECT o.domain FROM demo_outage o, unnest($1::text[]) AS r(rcpt)
+		 WHERE split_part(r.rcpt, '@', 2) = o.domain LIMIT 1`, pq.Array(rcpts)).Scan(&down)
+	if err == nil {
+		return fmt.Errorf("connect to mx.%s[192.0.2.%d]:25: connection refused after %d ms",
+			down, 1+m.ID%254, 20+m.ID%80)
+	} else if !errors.Is(err, sql.ErrNoRows) {
+		return fmt.Errorf("deliver message %d: look up outages: %w", m.ID, err)
 	}
 	_, err = m.Tx.ExecContext(ctx, `
 		INSERT INTO demo_mailbox (workqueue_id, recipient, sender, subject, route, size)

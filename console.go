@@ -1,0 +1,588 @@
+// console.go: the web console on the daemon's HTTP listener (operate.md §4), the read side.
+//
+// Pages are server-rendered with html/template (so every value is escaped in its context) from
+// templates embedded in the binary; they work without JavaScript, and console.js only reloads
+// the overview. Every query runs on the pool with consoleStatementTimeout, never on the
+// coordinator's connection; the coordinator's figures come from the snapshot it publishes
+// for /metrics. Responses carry a Content-Security-Policy that allows nothing from outside
+// the daemon. Actions (console_action.go) go through the operator's SQL functions.
+
+package main
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"embed"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"html/template"
+	"log/slog"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// consoleStatementTimeout bounds every query a page runs: a slow page must never hold a
+// pool connection that the dispatcher's writes need.
+const consoleStatementTimeout = 3 * time.Second
+
+// consolePageSize is the number of rows a search page shows.
+const consolePageSize = 50
+
+//go:embed console
+var consoleFiles embed.FS
+
+// consoleCSP forbids everything but the daemon's own styles, script and images; inline SVG
+// charts are markup, not resources, and need nothing more.
+const consoleCSP = "default-src 'none'; style-src 'self'; script-src 'self'; img-src 'self' data:; " +
+	"form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+
+// console serves the pages. Its fields are set once before serving and read-only after.
+type console struct {
+	pool    func() *sql.DB          // the dispatcher's pool; nil until it exists (page and action check)
+	snap    func() *metricsSnapshot // the coordinator's latest snapshot (nil before the first)
+	samples *sampler
+	log     *slog.Logger
+	version string
+	tmpl    *template.Template
+	auth    *consoleAuth // nil: read-only, no action shown, action endpoints answer 403
+}
+
+func newConsole(pool func() *sql.DB, snap func() *metricsSnapshot, auth *consoleAuth, log *slog.Logger, version string) (*console, error) {
+	t, err := template.New("").Funcs(template.FuncMap{
+		"chart": chartSVG,
+		"age":   fmtAge,
+		"json":  prettyJSON,
+		// searchURL is a search page's address: its query is built by url.Values.Encode, so
+		// it is marked safe for the href it fills, not escaped a second time.
+		"searchURL": func(v url.Values) template.URL { return template.URL("/search?" + v.Encode()) },
+	}).ParseFS(consoleFiles, "console/*.html")
+	if err != nil {
+		return nil, fmt.Errorf("parse console templates: %w", err)
+	}
+	return &console{pool: pool, snap: snap, log: log, version: version, tmpl: t, auth: auth,
+		samples: newSampler(snap, pool, log)}, nil
+}
+
+// withConsoleHeaders gives every response of the listener the console's security headers,
+// the mux's own 404 and 405 answers included.
+func withConsoleHeaders(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Security-Policy", consoleCSP)
+		w.Header().Set("X-Content-Type-Options", "nosniff")
+		h.ServeHTTP(w, r)
+	})
+}
+
+// routes adds the console's handlers to mux.
+func (c *console) routes(mux *http.ServeMux) {
+	mux.HandleFunc("GET /{$}", c.page(c.overview))
+	mux.HandleFunc("GET /stages", c.page(c.stages))
+	mux.HandleFunc("GET /search", c.page(c.search))
+	mux.HandleFunc("GET /failures", c.page(c.failures))
+	mux.HandleFunc("GET /message/{id}", c.page(c.message))
+	mux.HandleFunc("GET /static/", c.static)
+	mux.HandleFunc("POST /action", c.action)
+	mux.HandleFunc("POST /login", c.login)
+	mux.HandleFunc("POST /logout", c.logout)
+}
+
+// pageData is what every page template receives.
+type pageData struct {
+	Title   string
+	Nav     string
+	Version string
+	CanAct  bool   // a credential is configured and this browser is logged in
+	Auth    bool   // a credential is configured at all (the login form is shown)
+	CSRF    string // the token every action form carries
+	Flash   string // the result of the last action, from the query string
+	Body    any
+}
+
+// pageFunc renders one page's body data, or an error with an HTTP status.
+type pageFunc func(r *http.Request) (title, nav string, body any, err error)
+
+// httpError is an error with the status a page answers with.
+type httpError struct {
+	code int
+	msg  string
+}
+
+func (e *httpError) Error() string { return e.msg }
+
+func (c *console) page(f pageFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		consoleHeaders(w)
+		if c.pool() == nil {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			c.render(w, "error", pageData{Title: "Not connected yet", Version: c.version,
+				Body: "this dispatcher has no database pool yet: it is a standby, or waits for a writable server (see /metrics)"})
+			return
+		}
+		title, nav, body, err := f(r)
+		if err != nil {
+			code := http.StatusInternalServerError
+			var he *httpError
+			if errors.As(err, &he) {
+				code = he.code
+			} else {
+				c.log.Warn("console: page failed", "path", r.URL.Path, "err", err)
+			}
+			w.WriteHeader(code)
+			c.render(w, "error", pageData{Title: http.StatusText(code), Version: c.version, Body: err.Error()})
+			return
+		}
+		d := pageData{Title: title, Nav: nav, Version: c.version, Body: body,
+			Auth: c.auth != nil, Flash: r.URL.Query().Get("done")}
+		if c.auth != nil && c.auth.loggedIn(r) {
+			d.CanAct, d.CSRF = true, c.auth.csrfToken(r)
+		}
+		c.render(w, nav, d)
+	}
+}
+
+func (c *console) render(w http.ResponseWriter, name string, d pageData) {
+	var b bytes.Buffer // rendered whole first, so a template error is not half a page
+	if err := c.tmpl.ExecuteTemplate(&b, name+".html", d); err != nil {
+		c.log.Error("console: template failed", "template", name, "err", err)
+		http.Error(w, "template error", http.StatusInternalServerError)
+		return
+	}
+	w.Write(b.Bytes()) // a client gone away is no error of ours
+}
+
+func consoleHeaders(w http.ResponseWriter) {
+	h := w.Header()
+	h.Set("Content-Security-Policy", consoleCSP)
+	h.Set("X-Content-Type-Options", "nosniff")
+	h.Set("Referrer-Policy", "same-origin")
+	h.Set("Cache-Control", "no-store")
+	h.Set("Content-Type", "text/html; charset=utf-8")
+}
+
+func (c *console) static(w http.ResponseWriter, r *http.Request) {
+	name := strings.TrimPrefix(r.URL.Path, "/static/")
+	if !slices.Contains([]string{"console.css", "console.js"}, name) {
+		http.NotFound(w, r)
+		return
+	}
+	b, err := consoleFiles.ReadFile("console/" + name)
+	if err != nil {
+		http.NotFound(w, r)
+		return
+	}
+	w.Header().Set("Content-Security-Policy", consoleCSP)
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	w.Header().Set("Cache-Control", "max-age=300")
+	if strings.HasSuffix(name, ".css") {
+		w.Header().Set("Content-Type", "text/css; charset=utf-8")
+	} else {
+		w.Header().Set("Content-Type", "text/javascript; charset=utf-8")
+	}
+	w.Write(b) // a client gone away is no error of ours
+}
+
+// ---- overview ----
+
+// stageView is one stage's line on the overview.
+type stageView struct {
+	Name     string
+	Counts   map[string]int64
+	Workers  int
+	InFlight int
+	Paused   bool
+	Held     bool // launch cool-down
+	Oldest   time.Duration
+	Chart    template.HTML
+}
+
+// consoleStatuses are the statuses the overview counts, in the order it shows them. Done rows
+// are not counted (as in /metrics): the table of done rows is the one that grows, and no
+// index serves a count of it.
+var consoleStatuses = []string{"pending", "running", "paused", "waiting", "held", "failed", "cancelled"}
+
+func (c *console) overview(r *http.Request) (string, string, any, error) {
+	ctx, cancel := context.WithTimeout(r.Context(), consoleStatementTimeout)
+	defer cancel()
+	views := map[string]*stageView{}
+	get := func(name string) *stageView {
+		if v := views[name]; v != nil {
+			return v
+		}
+		v := &stageView{Name: name, Counts: map[string]int64{}}
+		views[name] = v
+		return v
+	}
+	if s := c.snap(); s != nil {
+		for _, st := range s.stages {
+			v := get(st.name)
+			v.Workers, v.InFlight, v.Held, v.Paused = st.workers, st.inflight, st.held, st.paused
+		}
+	}
+	rows, err := c.pool().QueryContext(ctx, `
+		SELECT stage, status, count(*),
+		       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)::float8
+		  FROM workqueue WHERE status <> 'done'
+		 GROUP BY stage, status`)
+	if err != nil {
+		return "", "", nil, fmt.Errorf("count rows per stage: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var stage, status string
+		var n int64
+		var oldest float64
+		if err := rows.Scan(&stage, &status, &n, &oldest); err != nil {
+			return "", "", nil, fmt.Errorf("count rows per stage: %w", err)
+		}
+		v := get(stage)
+		v.Counts[status] = n
+		if status == "pending" {
+			v.Oldest = time.Duration(oldest * float64(time.Second))
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return "", "", nil, fmt.Errorf("count rows per stage: %w", err)
+	}
+	paused, err := pausedStages(ctx, c.pool())
+	if err != nil {
+		return "", "", nil, err
+	}
+	var out []*stageView
+	for name, v := range views {
+		v.Paused = v.Paused || paused[name] // the running configuration, or an overlay row not yet reloaded
+		v.Chart = chartSVG(c.samples.points(name))
+		out = append(out, v)
+	}
+	slices.SortFunc(out, func(a, b *stageView) int { return strings.Compare(a.Name, b.Name) })
+	return "Overview", "overview", struct {
+		Stages   []*stageView
+		Statuses []string
+		Every    time.Duration
+	}{out, consoleStatuses, consoleSampleEvery}, nil
+}
+
+// pausedStages reads the PAUSED overlay rows (operate.md §3): a stage is paused when its
+// [stage-NAME] section in the config table says PAUSED = yes.
+func pausedStages(ctx context.Context, db *sql.DB) (map[string]bool, error) {
+	rows, err := db.QueryContext(ctx, `
+		SELECT substr(section, 7) FROM config
+		 WHERE section LIKE 'stage-%' AND upper(key) = 'PAUSED' AND lower(value) IN ('yes', 'true', '1', 'on')`)
+	if err != nil {
+		return nil, fmt.Errorf("read paused stages: %w", err)
+	}
+	defer rows.Close()
+	out := map[string]bool{}
+	for rows.Next() {
+		var s string
+		if err := rows.Scan(&s); err != nil {
+			return nil, fmt.Errorf("read paused stages: %w", err)
+		}
+		out[s] = true
+	}
+	return out, rows.Err()
+}
+
+// ---- stages' configuration ----
+
+// overlayView is one row of the config table.
+type overlayView struct{ Section, Key, Value string }
+
+func (c *console) stages(r *http.Request) (string, string, any, error) {
+	ctx, cancel := context.WithTimeout(r.Context(), consoleStatementTimeout)
+	defer cancel()
+	rows, err := c.pool().QueryContext(ctx, `SELECT section, key, value FROM config ORDER BY section, key`)
+	if err != nil {
+		return "", "", nil, fmt.Errorf("read the config table: %w", err)
+	}
+	defer rows.Close()
+	var overlay []overlayView
+	for rows.Next() {
+		var o overlayView
+		if err := rows.Scan(&o.Section, &o.Key, &o.Value); err != nil {
+			return "", "", nil, fmt.Errorf("read the config table: %w", err)
+		}
+		overlay = append(overlay, o)
+	}
+	if err := rows.Err(); err != nil {
+		return "", "", nil, fmt.Errorf("read the config table: %w", err)
+	}
+	paused, err := pausedStages(ctx, c.pool())
+	if err != nil {
+		return "", "", nil, err
+	}
+	var running []*StageConfig
+	if s := c.snap(); s != nil {
+		running = s.config
+	}
+	type stageRow struct {
+		*StageConfig
+		Paused bool
+	}
+	var out []stageRow
+	for _, sc := range running {
+		out = append(out, stageRow{sc, sc.Paused || paused[sc.Name]})
+	}
+	return "Stages", "stages", struct {
+		Stages  []stageRow
+		Overlay []overlayView
+	}{out, overlay}, nil
+}
+
+// ---- search ----
+
+// searchQuery is a parsed search form. The zero value lists the newest rows.
+type searchQuery struct {
+	ID       int64
+	Stage    string
+	Status   string
+	Error    string
+	JSONPath string // a jsonpath predicate on the payload, e.g. $.to == "a@example.org"
+	Before   int64  // keyset: show rows with a smaller id (0: from the newest)
+}
+
+func parseSearch(v url.Values) (searchQuery, error) {
+	var q searchQuery
+	var err error
+	if s := strings.TrimSpace(v.Get("id")); s != "" {
+		if q.ID, err = strconv.ParseInt(s, 10, 64); err != nil || q.ID <= 0 {
+			return q, &httpError{http.StatusBadRequest, fmt.Sprintf("id %q is not a message id", s)}
+		}
+	}
+	if s := strings.TrimSpace(v.Get("before")); s != "" {
+		if q.Before, err = strconv.ParseInt(s, 10, 64); err != nil || q.Before <= 0 {
+			return q, &httpError{http.StatusBadRequest, fmt.Sprintf("before %q is not a message id", s)}
+		}
+	}
+	q.Stage = strings.TrimSpace(v.Get("stage"))
+	q.Status = strings.TrimSpace(v.Get("status"))
+	if q.Status != "" && q.Status != "done" && !slices.Contains(consoleStatuses, q.Status) {
+		return q, &httpError{http.StatusBadRequest, fmt.Sprintf("status %q is not a state", q.Status)}
+	}
+	q.Error = v.Get("error")
+	q.JSONPath = strings.TrimSpace(v.Get("path"))
+	return q, nil
+}
+
+// values is the query string of q without its keyset position.
+func (q searchQuery) values() url.Values {
+	v := url.Values{}
+	set := func(k, s string) {
+		if s != "" {
+			v.Set(k, s)
+		}
+	}
+	if q.ID > 0 {
+		v.Set("id", strconv.FormatInt(q.ID, 10))
+	}
+	set("stage", q.Stage)
+	set("status", q.Status)
+	set("error", q.Error)
+	set("path", q.JSONPath)
+	return v
+}
+
+// messageRow is a message as a list shows it.
+type messageRow struct {
+	ID       int64
+	Stage    string
+	Status   string
+	Attempts int
+	Age      time.Duration
+	Error    string
+}
+
+// searchSQL builds the search statement: every condition a parameter, newest first, keyset
+// paged by id (WHERE workqueue_id < $before ORDER BY workqueue_id DESC LIMIT n walks the
+// primary key backwards from the position, so page 500 costs what page 1 costs).
+func searchSQL(q searchQuery) (string, []any) {
+	var where []string
+	var args []any
+	add := func(cond string, v any) {
+		args = append(args, v)
+		where = append(where, fmt.Sprintf(cond, len(args)))
+	}
+	if q.ID > 0 {
+		add("workqueue_id = $%d", q.ID)
+	}
+	if q.Before > 0 {
+		add("workqueue_id < $%d", q.Before)
+	}
+	if q.Stage != "" {
+		add("stage = $%d", q.Stage)
+	}
+	if q.Status != "" {
+		add("status = $%d", q.Status)
+	}
+	if q.Error != "" {
+		add("strpos(state->>'dispatch_error', $%d) > 0", q.Error)
+	}
+	if q.JSONPath != "" {
+		add("payload @@ $%d::jsonpath", q.JSONPath)
+	}
+	s := `SELECT workqueue_id, stage, status, attempts,
+	             extract(epoch FROM now() - created_at)::float8, coalesce(state->>'dispatch_error', '')
+	        FROM workqueue`
+	if len(where) > 0 {
+		s += " WHERE " + strings.Join(where, " AND ")
+	}
+	s += fmt.Sprintf(" ORDER BY workqueue_id DESC LIMIT %d", consolePageSize+1)
+	return s, args
+}
+
+func (c *console) search(r *http.Request) (string, string, any, error) {
+	q, err := parseSearch(r.URL.Query())
+	if err != nil {
+		return "", "", nil, err
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), consoleStatementTimeout)
+	defer cancel()
+	stmt, args := searchSQL(q)
+	rows, err := c.pool().QueryContext(ctx, stmt, args...)
+	if err != nil {
+		if q.JSONPath != "" && strings.Contains(err.Error(), "jsonpath") {
+			return "", "", nil, &httpError{http.StatusBadRequest, "the JSON path is not valid: " + err.Error()}
+		}
+		return "", "", nil, fmt.Errorf("search messages: %w", err)
+	}
+	defer rows.Close()
+	var list []messageRow
+	for rows.Next() {
+		var m messageRow
+		var age float64
+		if err := rows.Scan(&m.ID, &m.Stage, &m.Status, &m.Attempts, &age, &m.Error); err != nil {
+			return "", "", nil, fmt.Errorf("search messages: %w", err)
+		}
+		m.Age = time.Duration(age * float64(time.Second))
+		m.Error = firstLine(m.Error, 160)
+		list = append(list, m)
+	}
+	if err := rows.Err(); err != nil {
+		return "", "", nil, fmt.Errorf("search messages: %w", err)
+	}
+	var next url.Values
+	if len(list) > consolePageSize {
+		list = list[:consolePageSize]
+		next = q.values()
+		next.Set("before", strconv.FormatInt(list[len(list)-1].ID, 10))
+	}
+	return "Search", "search", struct {
+		Q        searchQuery
+		Rows     []messageRow
+		Next     url.Values
+		Statuses []string
+	}{q, list, next, append([]string{"done"}, consoleStatuses...)}, nil
+}
+
+// ---- one message ----
+
+// messageView is one row whole.
+type messageView struct {
+	ID                       int64
+	Stage, Status            string
+	Attempts                 int
+	Payload, State           string // pretty-printed JSON
+	Error                    string
+	Created                  time.Time
+	RetryAt, ClaimedAt       *time.Time
+	FanoutID, WaitFanoutID   *int64
+	Parent                   *int64 // the parent of a child's group
+	ChildCounts              map[string]int64
+	Expected, DoneN, FailedN int
+	GroupState               string
+	Actions                  []string
+}
+
+// consoleActions maps a state to the operator actions operate.md §1 allows from it.
+var consoleActions = map[string][]string{
+	"pending":   {"hold", "cancel"},
+	"paused":    {"retry", "hold", "cancel"},
+	"held":      {"release", "retry", "cancel"},
+	"waiting":   {"cancel"},
+	"running":   {"cancel"},
+	"failed":    {"retry", "delete"},
+	"cancelled": {"retry", "delete"},
+	"done":      {"delete"},
+}
+
+func (c *console) message(r *http.Request) (string, string, any, error) {
+	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+	if err != nil || id <= 0 {
+		return "", "", nil, &httpError{http.StatusBadRequest, "not a message id"}
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), consoleStatementTimeout)
+	defer cancel()
+	m := messageView{ID: id}
+	var payload, state []byte
+	err = c.pool().QueryRowContext(ctx, `
+		SELECT stage, status, attempts, payload, state, coalesce(state->>'dispatch_error', ''),
+		       created_at, retry_at, claimed_at, fanout_id, wait_fanout_id
+		  FROM workqueue WHERE workqueue_id = $1`, id).
+		Scan(&m.Stage, &m.Status, &m.Attempts, &payload, &state, &m.Error,
+			&m.Created, &m.RetryAt, &m.ClaimedAt, &m.FanoutID, &m.WaitFanoutID)
+	if errors.Is(err, sql.ErrNoRows) {
+		return "", "", nil, &httpError{http.StatusNotFound, fmt.Sprintf("message %d does not exist", id)}
+	}
+	if err != nil {
+		return "", "", nil, fmt.Errorf("read message %d: %w", id, err)
+	}
+	m.Payload, m.State = prettyJSON(payload), prettyJSON(state)
+	m.Actions = consoleActions[m.Status]
+	group := m.WaitFanoutID
+	if m.FanoutID != nil {
+		group = m.FanoutID
+		var parent int64
+		if err := c.pool().QueryRowContext(ctx, `SELECT parent_id FROM fanout WHERE fanout_id = $1`, *m.FanoutID).Scan(&parent); err == nil {
+			m.Parent = &parent
+		}
+	}
+	if group != nil {
+		if err := c.pool().QueryRowContext(ctx, `SELECT expected_n, done_n, failed_n, state FROM fanout WHERE fanout_id = $1`, *group).
+			Scan(&m.Expected, &m.DoneN, &m.FailedN, &m.GroupState); err != nil && !errors.Is(err, sql.ErrNoRows) {
+			return "", "", nil, fmt.Errorf("read fan-out group %d: %w", *group, err)
+		}
+	}
+	return fmt.Sprintf("Message %d", id), "message", m, nil
+}
+
+// ---- helpers ----
+
+func prettyJSON(b []byte) string {
+	if len(b) == 0 {
+		return ""
+	}
+	var out bytes.Buffer
+	if json.Indent(&out, b, "", "  ") != nil {
+		return string(b)
+	}
+	return out.String()
+}
+
+func fmtAge(d time.Duration) string {
+	switch {
+	case d < time.Minute:
+		return fmt.Sprintf("%ds", int(d.Seconds()))
+	case d < time.Hour:
+		return fmt.Sprintf("%dm", int(d.Minutes()))
+	case d < 48*time.Hour:
+		return fmt.Sprintf("%dh", int(d.Hours()))
+	default:
+		return fmt.Sprintf("%dd", int(d.Hours()/24))
+	}
+}
+
+// firstLine cuts s to its first line and at most n runes.
+func firstLine(s string, n int) string {
+	if i := strings.IndexByte(s, '\n'); i >= 0 {
+		s = s[:i] + " …"
+	}
+	if r := []rune(s); len(r) > n {
+		s = string(r[:n]) + "…"
+	}
+	return s
+}

@@ -1,0 +1,185 @@
+// console_action.go: the console's write side: the credential, the login cookie, the CSRF
+// token, the Origin check, and actions through the operator's SQL functions.
+//
+// Without a credential in pepsi.conf the console is read-only: no action is shown and every
+// action endpoint answers 403. With one, an operator logs in once with it; the browser then
+// holds a cookie derived from it (HMAC, so the credential itself never travels again), and
+// every action form carries a CSRF token derived from the cookie. Actions are POST only, and
+// a request whose Origin (or, lacking it, Referer) is not this listener's own is refused. The
+// credential is compared in constant time and is never logged.
+
+package main
+
+import (
+	"bytes"
+	"crypto/hmac"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/hex"
+	"fmt"
+	"net/http"
+	"net/url"
+	"os"
+	"strings"
+)
+
+const consoleCookie = "pepsi_console"
+
+// consoleAuth holds the configured credential.
+type consoleAuth struct {
+	secret []byte // the token from CONSOLE_TOKEN_FILE
+}
+
+func (a *consoleAuth) mac(purpose string) string {
+	m := hmac.New(sha256.New, a.secret)
+	m.Write([]byte(purpose))
+	return hex.EncodeToString(m.Sum(nil))
+}
+
+// sessionValue is the cookie of a logged-in browser.
+func (a *consoleAuth) sessionValue() string { return a.mac("pepsi-console session") }
+
+func (a *consoleAuth) loggedIn(r *http.Request) bool {
+	ck, err := r.Cookie(consoleCookie)
+	return err == nil && subtle.ConstantTimeCompare([]byte(ck.Value), []byte(a.sessionValue())) == 1
+}
+
+func (a *consoleAuth) csrfToken(*http.Request) string { return a.mac("pepsi-console csrf") }
+
+func (a *consoleAuth) csrfOK(r *http.Request) bool {
+	return subtle.ConstantTimeCompare([]byte(r.PostFormValue("csrf")), []byte(a.csrfToken(r))) == 1
+}
+
+// sameOrigin reports whether a POST comes from a page of this listener: its Origin header, or
+// its Referer when a browser sends no Origin, names the host the request was sent to.
+func sameOrigin(r *http.Request) bool {
+	src := r.Header.Get("Origin")
+	if src == "" || src == "null" {
+		src = r.Header.Get("Referer")
+	}
+	if src == "" {
+		return false
+	}
+	u, err := url.Parse(src)
+	if err != nil || u.Host == "" {
+		return false
+	}
+	host := r.Host
+	if fwd := r.Header.Get("X-Forwarded-Host"); fwd != "" { // behind a reverse proxy
+		host = strings.TrimSpace(strings.Split(fwd, ",")[0])
+	}
+	return strings.EqualFold(u.Host, host)
+}
+
+// refuse answers a refused write.
+func refuse(w http.ResponseWriter, code int, why string) {
+	consoleHeaders(w)
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	w.WriteHeader(code)
+	w.Write([]byte(why + "\n")) // a client gone away is no error of ours
+}
+
+func (c *console) login(w http.ResponseWriter, r *http.Request) {
+	if c.auth == nil {
+		refuse(w, http.StatusForbidden, "the console is read-only: no credential is configured")
+		return
+	}
+	if !sameOrigin(r) {
+		refuse(w, http.StatusForbidden, "cross-origin request refused")
+		return
+	}
+	if subtle.ConstantTimeCompare([]byte(strings.TrimSpace(r.PostFormValue("token"))), c.auth.secret) != 1 {
+		c.log.Warn("console: login refused", "remote", r.RemoteAddr)
+		refuse(w, http.StatusForbidden, "wrong credential")
+		return
+	}
+	http.SetCookie(w, &http.Cookie{Name: consoleCookie, Value: c.auth.sessionValue(), Path: "/",
+		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil || r.Header.Get("X-Forwarded-Proto") == "https"})
+	c.log.Info("console: operator logged in", "remote", r.RemoteAddr)
+	http.Redirect(w, r, "/", http.StatusSeeOther)
+}
+
+func (c *console) logout(w http.ResponseWriter, r *http.Request) {
+	if !sameOrigin(r) {
+		refuse(w, http.StatusForbidden, "cross-origin request refused")
+		return
+	}
+	http.SetCookie(w, &http.Cookie{Name: consoleCookie, Value: "", Path: "/", MaxAge: -1, HttpOnly: true, SameSite: http.SameSiteStrictMode})
+	http.Redirect(w, r, "/", http.StatusSeeOther)
+}
+
+// action performs one operator action. Wiring to the operator's SQL functions: see
+// consoleRun; the checks here come first, in this order, and each refusal changes nothing.
+func (c *console) action(w http.ResponseWriter, r *http.Request) {
+	switch {
+	case c.auth == nil:
+		refuse(w, http.StatusForbidden, "the console is read-only: no credential is configured")
+		return
+	case !sameOrigin(r):
+		refuse(w, http.StatusForbidden, "cross-origin request refused")
+		return
+	case !c.auth.loggedIn(r):
+		refuse(w, http.StatusForbidden, "log in first")
+		return
+	case !c.auth.csrfOK(r):
+		refuse(w, http.StatusForbidden, "the form's CSRF token is missing or stale: reload the page")
+		return
+	case c.pool() == nil:
+		refuse(w, http.StatusServiceUnavailable, "this dispatcher has no database pool yet (a standby?)")
+		return
+	}
+	c.runAction(w, r)
+}
+
+// loadConsoleToken reads CONSOLE_TOKEN_FILE once, at start-up before the privilege drop, so
+// the file may be readable by root alone (a reload, as the service account, keeps the token
+// read at start). A mistake is a configuration error at the key's line.
+func (cfg *Config) loadConsoleToken() error {
+	if cfg.Dispatch.ConsoleTokenFile == "" {
+		return nil
+	}
+	tok, err := readConsoleToken(cfg.Dispatch.ConsoleTokenFile)
+	if err != nil {
+		return &configError{cfg.Dispatch.consoleTokenAt, "CONSOLE_TOKEN_FILE", err.Error()}
+	}
+	cfg.consoleToken = tok
+	return nil
+}
+
+// readConsoleToken reads a credential file: not readable by others, one line of at least 16
+// characters.
+func readConsoleToken(path string) (string, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return "", fmt.Errorf("read the console credential: %w", err)
+	}
+	if fi.Mode().Perm()&0o004 != 0 {
+		return "", fmt.Errorf("the console credential %s is readable by everyone: chmod o-r it", path)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("read the console credential: %w", err)
+	}
+	tok := bytes.TrimSpace(b)
+	if len(tok) < 16 || bytes.ContainsAny(tok, "\r\n") {
+		return "", fmt.Errorf("the console credential in %s must be one line of at least 16 characters", path)
+	}
+	return string(tok), nil
+}
+
+// addConsole builds the console served under / beside /metrics. Its pages read the pool
+// through m.db, which the dispatcher stores once it exists: until then (a standby, or a
+// dispatcher waiting for a writable server) they answer 503.
+func (m *metricsServer) addConsole(token string) error {
+	var auth *consoleAuth
+	if token != "" {
+		auth = &consoleAuth{secret: []byte(token)}
+	}
+	c, err := newConsole(m.db.Load, func() *metricsSnapshot { return m.snap.Load() }, auth,
+		m.log.With("component", "console"), m.version)
+	if err != nil {
+		return err
+	}
+	m.console = c
+	return nil
+}

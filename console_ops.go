@@ -1,0 +1,241 @@
+// console_ops.go: the console's calls into the operator's SQL functions (operate.sql,
+// documented in pepsi-queue(1)): the failure groups and the actions. The console writes no
+// workqueue row itself, so a click has exactly the semantics, guards and operator_log entry
+// of the same pepsi-queue command.
+
+package main
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/lib/pq"
+)
+
+// consoleActor is the operator_log actor of every console action.
+const consoleActor = "console"
+
+// consoleBatch is how many rows one action statement changes at most when a whole group is
+// acted on: each batch is its own short transaction (as pepsi-queue's), so the claim is never
+// stalled behind a long one.
+const consoleBatch = 1000
+
+// failureGroup is one line of the failures page.
+type failureGroup struct {
+	Signature    string
+	Count        int64
+	Stages       []string
+	First, Last  time.Time
+	Example      int64
+	ExampleError string
+	Pattern      string
+}
+
+func (c *console) failures(r *http.Request) (string, string, any, error) {
+	ctx, cancel := context.WithTimeout(r.Context(), consoleStatementTimeout)
+	defer cancel()
+	rows, err := c.pool().QueryContext(ctx, `
+		SELECT signature, count, stages, first_seen, last_seen, example_id, coalesce(example_error, ''), coalesce(pattern, '')
+		  FROM queue_errors('{}')`)
+	if err != nil {
+		return "", "", nil, fmt.Errorf("group failures by signature: %w", err)
+	}
+	defer rows.Close()
+	var groups []failureGroup
+	for rows.Next() {
+		var g failureGroup
+		if err := rows.Scan(&g.Signature, &g.Count, pq.Array(&g.Stages), &g.First, &g.Last,
+			&g.Example, &g.ExampleError, &g.Pattern); err != nil {
+			return "", "", nil, fmt.Errorf("group failures by signature: %w", err)
+		}
+		g.ExampleError = firstLine(g.ExampleError, 200)
+		groups = append(groups, g)
+	}
+	if err := rows.Err(); err != nil {
+		return "", "", nil, fmt.Errorf("group failures by signature: %w", err)
+	}
+	return "Failures", "failures", struct{ Groups []failureGroup }{groups}, nil
+}
+
+// consoleRowActions are the actions on messages, each one SQL function of operate.sql.
+var consoleRowActions = map[string]string{
+	"retry":   `SELECT ok, coalesce(reason, '') FROM queue_retry(p_ids => $1, p_actor => $2, p_filter => $3)`,
+	"hold":    `SELECT ok, coalesce(reason, '') FROM queue_hold(p_ids => $1, p_actor => $2, p_filter => $3)`,
+	"release": `SELECT ok, coalesce(reason, '') FROM queue_release(p_ids => $1, p_actor => $2, p_filter => $3)`,
+	"cancel":  `SELECT ok, coalesce(reason, '') FROM queue_cancel(p_ids => $1, p_actor => $2, p_filter => $3)`,
+	"delete":  `SELECT ok, coalesce(reason, '') FROM queue_delete(p_ids => $1, p_actor => $2, p_filter => $3)`,
+}
+
+// runAction performs a checked action (console_action.go has done the checks) and redirects
+// back to the page it came from with a one-line summary.
+func (c *console) runAction(w http.ResponseWriter, r *http.Request) {
+	action := r.PostFormValue("action")
+	ctx, cancel := context.WithTimeout(r.Context(), 10*consoleStatementTimeout)
+	defer cancel()
+	var summary string
+	var err error
+	switch {
+	case action == "pause" || action == "resume":
+		summary, err = c.pause(ctx, r.PostFormValue("stage"), action == "pause")
+	case consoleRowActions[action] != "":
+		summary, err = c.actOnRows(ctx, action, r)
+	default:
+		refuse(w, http.StatusBadRequest, fmt.Sprintf("unknown action %q", action))
+		return
+	}
+	if err != nil {
+		var he *httpError
+		if ok := asHTTPError(err, &he); ok {
+			refuse(w, he.code, he.msg)
+			return
+		}
+		c.log.Error("console: action failed", "action", action, "err", err)
+		refuse(w, http.StatusInternalServerError, "the action failed: "+err.Error())
+		return
+	}
+	c.log.Info("console: operator action", "action", action, "result", summary, "remote", r.RemoteAddr)
+	back := r.PostFormValue("back")
+	if !strings.HasPrefix(back, "/") || strings.HasPrefix(back, "//") {
+		back = "/"
+	}
+	u, _ := url.Parse(back)
+	q := u.Query()
+	q.Set("done", summary)
+	u.RawQuery = q.Encode()
+	http.Redirect(w, r, u.String(), http.StatusSeeOther)
+}
+
+func asHTTPError(err error, he **httpError) bool {
+	e, ok := err.(*httpError)
+	if ok {
+		*he = e
+	}
+	return ok
+}
+
+// actOnRows runs a row action on the selected ids, or on every row of a failure group.
+func (c *console) actOnRows(ctx context.Context, action string, r *http.Request) (string, error) {
+	if sig := r.PostFormValue("signature"); sig != "" {
+		filter, _ := json.Marshal(map[string]string{"signature": sig})
+		return c.actOnFilter(ctx, action, string(filter))
+	}
+	var ids []int64
+	for _, s := range r.PostForm["id"] {
+		id, err := strconv.ParseInt(s, 10, 64)
+		if err != nil || id <= 0 {
+			return "", &httpError{http.StatusBadRequest, fmt.Sprintf("%q is not a message id", s)}
+		}
+		ids = append(ids, id)
+	}
+	if len(ids) == 0 {
+		return "", &httpError{http.StatusBadRequest, "no message selected"}
+	}
+	ok, refused, why, err := c.act(ctx, action, ids, "")
+	if err != nil {
+		return "", err
+	}
+	return actionSummary(action, ok, refused, why), nil
+}
+
+// actOnFilter acts on every row a filter selects, consoleBatch ids per statement.
+func (c *console) actOnFilter(ctx context.Context, action, filter string) (string, error) {
+	var ok, refused int
+	var why string
+	after := int64(0)
+	for {
+		var ids []int64
+		rows, err := c.pool().QueryContext(ctx, `SELECT queue_select($1::jsonb, $2, $3)`, filter, after, consoleBatch)
+		if err != nil {
+			return "", fmt.Errorf("select the rows of %s: %w", filter, err)
+		}
+		for rows.Next() {
+			var id int64
+			if err := rows.Scan(&id); err != nil {
+				rows.Close()
+				return "", fmt.Errorf("select the rows of %s: %w", filter, err)
+			}
+			ids = append(ids, id)
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return "", fmt.Errorf("select the rows of %s: %w", filter, err)
+		}
+		if len(ids) == 0 {
+			break
+		}
+		n, m, w, err := c.act(ctx, action, ids, filter)
+		if err != nil {
+			return "", err
+		}
+		ok, refused = ok+n, refused+m
+		if why == "" {
+			why = w
+		}
+		after = ids[len(ids)-1]
+	}
+	return actionSummary(action, ok, refused, why), nil
+}
+
+// act calls the action's SQL function once, in its own transaction.
+func (c *console) act(ctx context.Context, action string, ids []int64, filter string) (ok, refused int, why string, err error) {
+	var f sql.NullString
+	if filter != "" {
+		f = sql.NullString{String: filter, Valid: true}
+	}
+	rows, err := c.pool().QueryContext(ctx, consoleRowActions[action], pq.Array(ids), consoleActor, f)
+	if err != nil {
+		return 0, 0, "", fmt.Errorf("%s %d messages: %w", action, len(ids), err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var good bool
+		var reason string
+		if err := rows.Scan(&good, &reason); err != nil {
+			return 0, 0, "", fmt.Errorf("%s %d messages: %w", action, len(ids), err)
+		}
+		if good {
+			ok++
+		} else {
+			refused++
+			if why == "" {
+				why = reason
+			}
+		}
+	}
+	return ok, refused, why, rows.Err()
+}
+
+func actionSummary(action string, ok, refused int, why string) string {
+	s := fmt.Sprintf("%s: %d changed", action, ok)
+	if refused > 0 {
+		s += fmt.Sprintf(", %d refused (%s)", refused, why)
+	}
+	return s
+}
+
+// pause pauses or resumes a stage through queue_pause / queue_resume.
+func (c *console) pause(ctx context.Context, stage string, on bool) (string, error) {
+	if stage == "" {
+		return "", &httpError{http.StatusBadRequest, "no stage named"}
+	}
+	var ok bool
+	var reason sql.NullString
+	err := c.pool().QueryRowContext(ctx, `SELECT ok, reason FROM queue_pause($1, $2, $3)`, stage, on, consoleActor).Scan(&ok, &reason)
+	if err != nil {
+		return "", fmt.Errorf("pause stage %s: %w", stage, err)
+	}
+	if !ok {
+		return "", &httpError{http.StatusBadRequest, fmt.Sprintf("stage %s: %s", stage, reason.String)}
+	}
+	if on {
+		return "stage " + stage + " paused", nil
+	}
+	return "stage " + stage + " resumed", nil
+}

@@ -1,0 +1,285 @@
+// console_test.go: the web console's handlers against a real PostgreSQL: every page, escaping
+// of hostile payloads, keyset paging, and the refusals of the write side (no credential,
+// not logged in, a stale CSRF token, another origin).
+
+package main
+
+import (
+	"database/sql"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/cookiejar"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// consoleHarness is a console served by httptest over a test schema.
+type consoleHarness struct {
+	s   *testSchema
+	c   *console
+	srv *httptest.Server
+}
+
+const testConsoleToken = "test-console-credential-0123456789"
+
+func newConsoleHarness(t *testing.T, token string) *consoleHarness {
+	t.Helper()
+	s := newTestSchema(t)
+	var auth *consoleAuth
+	if token != "" {
+		auth = &consoleAuth{secret: []byte(token)}
+	}
+	snap := &metricsSnapshot{
+		stages: []stageSnapshot{{name: "parse", workers: 2, inflight: 3}},
+		config: []*StageConfig{{Name: "parse", Program: "/bin/<b>parse</b>", Parallelism: 2, QueueLimit: 4, MaxAttempts: 5}},
+	}
+	c, err := newConsole(func() *sql.DB { return s.DB }, func() *metricsSnapshot { return snap }, auth, slog.New(slog.NewTextHandler(io.Discard, nil)), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	c.routes(mux)
+	srv := httptest.NewServer(withConsoleHeaders(mux))
+	t.Cleanup(srv.Close)
+	return &consoleHarness{s: s, c: c, srv: srv}
+}
+
+// get fetches path and returns the status and body.
+func (h *consoleHarness) get(t *testing.T, cl *http.Client, path string) (int, string) {
+	t.Helper()
+	if cl == nil {
+		cl = h.srv.Client()
+	}
+	resp, err := cl.Get(h.srv.URL + path)
+	if err != nil {
+		t.Fatalf("GET %s: %v", path, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("GET %s: read body: %v", path, err)
+	}
+	if csp := resp.Header.Get("Content-Security-Policy"); !strings.Contains(csp, "default-src 'none'") {
+		t.Errorf("GET %s: Content-Security-Policy %q does not forbid external resources", path, csp)
+	}
+	return resp.StatusCode, string(b)
+}
+
+// post sends a form with the given Origin ("" sends none) and returns the status and body.
+func (h *consoleHarness) post(t *testing.T, cl *http.Client, path, origin string, form url.Values) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest("POST", h.srv.URL+path, strings.NewReader(form.Encode()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	if origin != "" {
+		req.Header.Set("Origin", origin)
+	}
+	resp, err := cl.Do(req)
+	if err != nil {
+		t.Fatalf("POST %s: %v", path, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+const hostilePayload = `{"text": "<script>alert('x')</script>", "html": "\"><img src=x onerror=alert(1)>"}`
+
+func TestConsolePages(t *testing.T) {
+	h := newConsoleHarness(t, "")
+	h.s.exec(t, `INSERT INTO workqueue (stage, payload) VALUES ('parse', $1)`, hostilePayload)
+	h.s.exec(t, `INSERT INTO workqueue (stage, status, attempts, payload, state)
+	             VALUES ('deliver', 'failed', 5, '{}', '{"dispatch_error": "stage deliver: <b>relay</b> 10.0.0.1:25 down"}')`)
+	h.s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-deliver', 'PAUSED', 'yes')`)
+
+	for _, tc := range []struct {
+		path string
+		code int
+		want []string
+	}{
+		{"/", 200, []string{`id="stage-parse"`, `id="stage-deliver"`, `class="stage paused" id="stage-deliver"`,
+			`href="/search?stage=deliver&amp;status=failed">1<`, "workers <b>2</b>", "in flight <b>3</b>", "<svg class=\"chart\""}},
+		{"/stages", 200, []string{"&lt;b&gt;parse&lt;/b&gt;", "<td>PAUSED</td>"}},
+		{"/search", 200, []string{`href="/message/1"`, `href="/message/2"`, "&lt;b&gt;relay&lt;/b&gt;"}},
+		{"/search?status=failed", 200, []string{`href="/message/2"`}},
+		{"/search?error=relay", 200, []string{`href="/message/2"`}},
+		{"/search?path=" + url.QueryEscape(`$.text like_regex "script"`), 200, []string{`href="/message/1"`}},
+		{"/search?path=" + url.QueryEscape(`$.(`), 400, []string{"JSON path is not valid"}},
+		{"/search?status=bogus", 400, []string{"is not a state"}},
+		{"/search?id=x", 400, []string{"not a message id"}},
+		{"/message/1", 200, []string{"&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;", "&lt;img src=x onerror=alert(1)&gt;"}},
+		{"/message/999", 404, []string{"does not exist"}},
+		{"/message/abc", 400, nil},
+		{"/failures", 200, nil},
+		{"/static/console.css", 200, []string{".chart"}},
+		{"/static/../console.go", 404, nil},
+	} {
+		code, body := h.get(t, nil, tc.path)
+		if code != tc.code {
+			t.Errorf("GET %s: status %d, want %d\n%s", tc.path, code, tc.code, body)
+			continue
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(body, w) {
+				t.Errorf("GET %s: body lacks %q", tc.path, w)
+			}
+		}
+		// Nothing of the hostile payload survives unescaped, on any page.
+		for _, bad := range []string{"<script>alert", "<img src=x", "<b>relay", "<b>parse"} {
+			if strings.Contains(body, bad) {
+				t.Errorf("GET %s: body contains unescaped %q", tc.path, bad)
+			}
+		}
+		if strings.HasPrefix(tc.path, "/search?stage") && !strings.Contains(body, "selected") {
+			t.Errorf("GET %s: the form does not keep the query", tc.path)
+		}
+	}
+	// Without a credential no action is shown anywhere.
+	for _, p := range []string{"/", "/search", "/message/1", "/stages", "/failures"} {
+		if _, body := h.get(t, nil, p); strings.Contains(body, `action="/action"`) {
+			t.Errorf("GET %s: an action form is shown without a credential", p)
+		}
+	}
+}
+
+// TestConsoleKeysetPaging pages through 130 rows newest first: every row exactly once, 50 a
+// page, and the next page's position is the last id shown (no OFFSET anywhere).
+func TestConsoleKeysetPaging(t *testing.T) {
+	h := newConsoleHarness(t, "")
+	h.s.exec(t, `INSERT INTO workqueue (stage, payload) SELECT 'parse', '{}' FROM generate_series(1, 130)`)
+	if stmt, _ := searchSQL(searchQuery{Before: 10}); strings.Contains(strings.ToUpper(stmt), "OFFSET") {
+		t.Fatalf("search statement pages by OFFSET: %s", stmt)
+	}
+	ids := regexp.MustCompile(`href="/message/(\d+)"`)
+	next := regexp.MustCompile(`id="next" href="/search\?([^"]*)"`)
+	seen := map[string]bool{}
+	path, pages := "/search?stage=parse", 0
+	for path != "" {
+		pages++
+		code, body := h.get(t, nil, path)
+		if code != 200 {
+			t.Fatalf("GET %s: %d", path, code)
+		}
+		m := ids.FindAllStringSubmatch(body, -1)
+		if pages < 3 && len(m) != consolePageSize {
+			t.Fatalf("page %d has %d rows, want %d", pages, len(m), consolePageSize)
+		}
+		for _, id := range m {
+			if seen[id[1]] {
+				t.Fatalf("row %s shown twice", id[1])
+			}
+			seen[id[1]] = true
+		}
+		path = ""
+		if n := next.FindStringSubmatch(body); n != nil {
+			path = "/search?" + strings.ReplaceAll(n[1], "&amp;", "&")
+			if !strings.Contains(path, "stage=parse") {
+				t.Fatalf("the next page's link loses the filter: %s", path)
+			}
+		}
+	}
+	if pages != 3 || len(seen) != 130 {
+		t.Fatalf("%d pages, %d rows; want 3 pages, 130 rows", pages, len(seen))
+	}
+}
+
+// TestConsoleWriteRefusals: every way an action is refused changes nothing.
+func TestConsoleWriteRefusals(t *testing.T) {
+	t.Run("no credential", func(t *testing.T) {
+		h := newConsoleHarness(t, "")
+		for _, p := range []string{"/action", "/login"} {
+			if code, _ := h.post(t, h.srv.Client(), p, h.srv.URL, url.Values{"action": {"retry"}, "id": {"1"}}); code != 403 {
+				t.Errorf("POST %s without a credential: %d, want 403", p, code)
+			}
+		}
+		if code, _ := h.get(t, nil, "/action"); code != 405 {
+			t.Errorf("GET /action: %d, want 405 (actions are POST only)", code)
+		}
+	})
+	t.Run("with credential", func(t *testing.T) {
+		h := newConsoleHarness(t, testConsoleToken)
+		jar, _ := cookiejar.New(nil)
+		cl := &http.Client{Jar: jar}
+		if code, _ := h.post(t, cl, "/login", h.srv.URL, url.Values{"token": {"wrong-credential-xxxxxxxxxx"}}); code != 403 {
+			t.Fatalf("login with a wrong credential: %d, want 403", code)
+		}
+		if code, _ := h.post(t, cl, "/action", h.srv.URL, url.Values{"action": {"retry"}, "id": {"1"}}); code != 403 {
+			t.Fatalf("action before logging in: %d, want 403", code)
+		}
+		if code, _ := h.post(t, cl, "/login", "http://evil.example", url.Values{"token": {testConsoleToken}}); code != 403 {
+			t.Fatalf("login from another origin: %d, want 403", code)
+		}
+		if code, _ := h.post(t, cl, "/login", h.srv.URL, url.Values{"token": {testConsoleToken}}); code != 200 {
+			t.Fatalf("login: %d, want 200 after the redirect", code)
+		}
+		_, body := h.get(t, cl, "/search")
+		m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindStringSubmatch(body)
+		if m == nil || !strings.Contains(body, `action="/action"`) {
+			t.Fatalf("logged in, the search page shows no action form with a CSRF token")
+		}
+		for _, tc := range []struct {
+			name, origin, csrf string
+		}{
+			{"no CSRF token", h.srv.URL, ""},
+			{"stale CSRF token", h.srv.URL, strings.Repeat("0", len(m[1]))},
+			{"other origin", "http://evil.example", m[1]},
+			{"no origin", "", m[1]},
+		} {
+			code, _ := h.post(t, cl, "/action", tc.origin, url.Values{"action": {"retry"}, "id": {"1"}, "csrf": {tc.csrf}})
+			if code != 403 {
+				t.Errorf("%s: %d, want 403", tc.name, code)
+			}
+		}
+	})
+}
+
+// TestConsoleTokenFile: each mistake in CONSOLE_TOKEN_FILE is a configuration error at the
+// key's line (exit 2), and the credential is never part of a message.
+func TestConsoleTokenFile(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, content string, mode os.FileMode) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(content), mode); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(p, mode); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	for _, tc := range []struct {
+		name, path, want string
+	}{
+		{"missing", filepath.Join(dir, "nope"), "read the console credential"},
+		{"world-readable", write("open", testConsoleToken, 0o644), "readable by everyone"},
+		{"short", write("short", "tooshort", 0o600), "at least 16 characters"},
+		{"two lines", write("two", testConsoleToken+"\nsecond-line-here", 0o600), "one line"},
+	} {
+		cfg := &Config{Dispatch: DispatchConfig{ConsoleTokenFile: tc.path, consoleTokenAt: "pepsi.conf:7"}}
+		err := cfg.loadConsoleToken()
+		var ce *configError
+		if !errors.As(err, &ce) || ce.Where != "pepsi.conf:7" || ce.Key != "CONSOLE_TOKEN_FILE" || !strings.Contains(ce.Msg, tc.want) {
+			t.Errorf("%s: got %v, want a configError at pepsi.conf:7 about %q", tc.name, err, tc.want)
+		}
+		if err != nil && strings.Contains(err.Error(), testConsoleToken) {
+			t.Errorf("%s: the error shows the credential: %v", tc.name, err)
+		}
+	}
+	cfg := &Config{Dispatch: DispatchConfig{ConsoleTokenFile: write("good", testConsoleToken+"\n", 0o600)}}
+	if err := cfg.loadConsoleToken(); err != nil || cfg.consoleToken != testConsoleToken {
+		t.Fatalf("a good file: %v, token %q", err, cfg.consoleToken)
+	}
+	if _, err := loadConfig(write("pepsi.conf", "[database]\nDSN = dbname=x\n[pepsi-dispatch]\nCONSOLE_TOKEN_FILE = relative/path\n", 0o644)); err == nil ||
+		!strings.Contains(err.Error(), "absolute path") {
+		t.Fatalf("a relative CONSOLE_TOKEN_FILE: %v, want a refusal", err)
+	}
+}
