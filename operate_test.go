@@ -126,13 +126,27 @@ func init() {
 const gateDDL = `CREATE TABLE gate (id bigint, stage text, PRIMARY KEY (id, stage))`
 
 // act calls one of operate.sql's actions on ids and returns the changed ids.
-func act(t testing.TB, q interface {
+// actQuerier is what an action runs on: the pool, or one connection of it.
+type actQuerier interface {
 	QueryContext(context.Context, string, ...any) (*sql.Rows, error)
-}, action string, ids ...int64) map[int64]bool {
+}
+
+// act runs queue_ACTION on ids and returns the ids it changed; an error fails the test. It
+// calls t.Fatal, so only the test's own goroutine may call it: others use tryAct.
+func act(t testing.TB, q actQuerier, action string, ids ...int64) map[int64]bool {
 	t.Helper()
+	ok, err := tryAct(q, action, ids...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ok
+}
+
+// tryAct is act for the test's other goroutines: it returns the error instead.
+func tryAct(q actQuerier, action string, ids ...int64) (map[int64]bool, error) {
 	rows, err := q.QueryContext(context.Background(), `SELECT workqueue_id, ok FROM queue_`+action+`($1)`, pq.Array(ids))
 	if err != nil {
-		t.Fatalf("queue_%s: %v", action, err)
+		return nil, fmt.Errorf("queue_%s: %w", action, err)
 	}
 	defer rows.Close()
 	ok := map[int64]bool{}
@@ -140,16 +154,16 @@ func act(t testing.TB, q interface {
 		var id int64
 		var changed bool
 		if err := rows.Scan(&id, &changed); err != nil {
-			t.Fatal(err)
+			return nil, fmt.Errorf("queue_%s: %w", action, err)
 		}
 		if changed {
 			ok[id] = true
 		}
 	}
 	if err := rows.Err(); err != nil {
-		t.Fatalf("queue_%s: %v", action, err)
+		return nil, fmt.Errorf("queue_%s: %w", action, err)
 	}
-	return ok
+	return ok, nil
 }
 
 func status(t testing.TB, s *testSchema, id int64) string {
@@ -203,7 +217,13 @@ func TestRaceStageCommitsDuringCancel(t *testing.T) {
 		}
 		op.ExecContext(context.Background(), `SET application_name = 'op-cancel'`)
 		done := make(chan map[int64]bool, 1)
-		go func() { done <- act(t, op, "cancel", id) }()
+		go func() {
+			got, err := tryAct(op, "cancel", id)
+			if err != nil {
+				t.Error(err) // the receive below then sees no change, and the case fails too
+			}
+			done <- got
+		}()
 		waitLockWait(t, s, "op-cancel")
 		s.exec(t, `INSERT INTO gate VALUES ($1, $2)`, id, map[bool]string{false: "a", true: "b"}[final]) // the stage commits
 		got := <-done
@@ -384,12 +404,20 @@ func TestOperatorLoopAgainstPipeline(t *testing.T) {
 				for k := 0; k < 8; k++ {
 					ids = append(ids, lo+rng.Int64N(n))
 				}
-				held := act(t, s.DB, "hold", ids...)
+				held, err := tryAct(s.DB, "hold", ids...)
+				if err != nil {
+					t.Error(err)
+					return
+				}
 				var back []int64
 				for id := range held {
 					back = append(back, id)
 				}
-				released := act(t, s.DB, "release", back...)
+				released, err := tryAct(s.DB, "release", back...)
+				if err != nil {
+					t.Error(err)
+					return
+				}
 				mu.Lock()
 				holds += len(held)
 				tries += len(ids)
@@ -407,7 +435,12 @@ func TestOperatorLoopAgainstPipeline(t *testing.T) {
 		rng := rand.New(rand.NewPCG(3, 4))
 		for i := 0; i < 60; i++ {
 			id := lo + rng.Int64N(n)
-			if act(t, s.DB, "cancel", id)[id] {
+			got, err := tryAct(s.DB, "cancel", id)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			if got[id] {
 				cancelled.Store(id, true)
 			}
 			time.Sleep(20 * time.Millisecond) // spread the cancels over the run
