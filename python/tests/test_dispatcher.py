@@ -5,6 +5,7 @@ done and every (message, stage) run exactly once."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -115,7 +116,8 @@ def test_pipeline_kill9(schema: Schema, daemon_factory) -> None:
     wait_for("a third of the runs", lambda: runs() >= n, 180)
     workers = children_of(d.proc.pid)
     assert workers, "no worker running"
-    os.kill(workers[0], signal.SIGKILL)
+    killed = workers[0]
+    os.kill(killed, signal.SIGKILL)
     wait_for("two thirds of the runs", lambda: runs() >= 2 * n, 180)
     d.kill9()
     # The workers die with their dispatcher (parent-death signal).
@@ -131,7 +133,10 @@ def test_pipeline_kill9(schema: Schema, daemon_factory) -> None:
     dup = schema.q("SELECT id, stage, count(*) FROM runs GROUP BY 1, 2 HAVING count(*) <> 1")
     assert dup == []
     assert runs() == 3 * n
-    assert "worker crashed" in d.log()  # the kill -9 of the worker was seen
+    # The kill -9 of the worker was seen. Whether it logged "worker crashed" depends on what
+    # it held: a worker retiring after MAX_REQUESTS, or idle, had an empty queue and is only
+    # "worker stopped"; both lines carry the pid and the signal.
+    assert re.search(rf'pid={killed} .*killed by signal 9', d.log()), f"no exit logged for worker {killed}"
 
 
 def test_stats_lost_on_kill9(schema: Schema, daemon_factory) -> None:
