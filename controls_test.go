@@ -547,7 +547,7 @@ func claimBuffers(t *testing.T, s *testSchema, keys *keyLoad) (int, string) {
 	for k, n := range keys.busy {
 		bs, bk, bn = append(bs, k.stage), append(bk, k.key), append(bn, int64(n))
 	}
-	rows, err := tx.Query("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) "+claimSQL, pq.Array(names), pq.Array([]int64{64}),
+	rows, err := tx.Query("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) "+claimKeyedSQL, pq.Array(names), pq.Array([]int64{64}),
 		pq.Array(limits), pq.Array(bs), pq.Array(bk), pq.Array(bn))
 	if err != nil {
 		t.Fatal(err)
@@ -583,8 +583,8 @@ func TestControlsSaturatedKeyClaimCost(t *testing.T) {
 	if testing.Short() {
 		t.Skip("100,000 rows")
 	}
-	if !strings.Contains(claimSQL, fmt.Sprintf("LIMIT %d) r\n              LIMIT %d))", parkChunk, parkChunk)) {
-		t.Fatalf("claimSQL's parking LIMIT is not parkChunk (%d)", parkChunk)
+	if !strings.Contains(claimKeyedSQL, fmt.Sprintf("LIMIT %d) r\n              LIMIT %d))", parkChunk, parkChunk)) {
+		t.Fatalf("claimKeyedSQL's parking LIMIT is not parkChunk (%d)", parkChunk)
 	}
 	s := newTestSchema(t)
 	s.exec(t, `INSERT INTO workqueue (stage, concurrency_key) SELECT 'a', 'hot' FROM generate_series(1, 100000)`)
@@ -639,6 +639,75 @@ func TestControlsSaturatedKeyClaimCost(t *testing.T) {
 	}
 	if os.Getenv("PEPSI_SHOW_PLAN") != "" {
 		t.Logf("saturated:\n%s\nalone:\n%s", satPlan, alonePlan)
+	}
+}
+
+// Rows parked under a KEY_LIMIT that a reload then removed are not stranded: the claim for
+// stages without a KEY_LIMIT (claimSQL) unparks them, parkChunk per claim, and the claims that
+// follow take every one of them, once each.
+func TestControlsKeyLimitRemovedUnparks(t *testing.T) {
+	if !strings.Contains(claimSQL, fmt.Sprintf("LIMIT %d))", parkChunk)) {
+		t.Fatalf("claimSQL's unparking LIMIT is not parkChunk (%d)", parkChunk)
+	}
+	s := newTestSchema(t)
+	const n = 5000
+	s.exec(t, `INSERT INTO workqueue (stage, concurrency_key) SELECT 'a', 'hot' FROM generate_series(1, $1)`, n)
+	conn := openLockConn(t, s)
+	var cl claimer
+	defer cl.close()
+	ctx := context.Background()
+	saturated := &keyLoad{limit: map[string]int{"a": 1}, busy: map[stageKey]int{{"a", "hot"}: 1}}
+	for {
+		res, err := cl.claim(ctx, conn, map[string]int{"a": 64}, saturated)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.total != 0 {
+			t.Fatalf("claimed %d rows of a key at its limit", res.total)
+		}
+		if res.parked == 0 {
+			break
+		}
+	}
+	parked := s.count(t, `SELECT count(*) FROM workqueue WHERE key_parked`)
+	if parked < n-64 {
+		t.Fatalf("%d of %d rows parked: the test did not park the key", parked, n)
+	}
+
+	// KEY_LIMIT removed: no limits, nothing counted in flight.
+	var got []int64
+	unparked, claims := int64(0), 0
+	for claims = 1; claims < 1000; claims++ {
+		res, err := cl.claim(ctx, conn, map[string]int{"a": 256}, &keyLoad{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.unparked > parkChunk {
+			t.Fatalf("one claim unparked %d rows", res.unparked)
+		}
+		unparked += res.unparked
+		for _, m := range res.byStage["a"] {
+			got = append(got, m.id)
+		}
+		if res.total == 0 && res.unparked == 0 {
+			break
+		}
+	}
+	if unparked != int64(parked) {
+		t.Errorf("unparked %d rows, %d were parked", unparked, parked)
+	}
+	if len(got) != n {
+		t.Fatalf("claimed %d of %d rows in %d claims", len(got), n, claims)
+	}
+	seen := map[int64]bool{}
+	for _, id := range got {
+		if seen[id] {
+			t.Fatalf("row %d claimed twice", id)
+		}
+		seen[id] = true
+	}
+	if left := s.count(t, `SELECT count(*) FROM workqueue WHERE status <> 'running' OR key_parked`); left != 0 {
+		t.Errorf("%d rows not claimed or still parked", left)
 	}
 }
 
@@ -724,7 +793,7 @@ func TestControlsClaimPlanStaleStatistics(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		rows, err := tx.QueryContext(ctx, "EXPLAIN (ANALYZE, COSTS OFF) "+claimSQL, pq.Array([]string{"s1"}), pq.Array([]int64{2048}),
+		rows, err := tx.QueryContext(ctx, "EXPLAIN (ANALYZE, COSTS OFF) "+claimKeyedSQL, pq.Array([]string{"s1"}), pq.Array([]int64{2048}),
 			pq.Array([]int64{2}), pq.Array(bs), pq.Array(bk), pq.Array(bn))
 		if err != nil {
 			t.Fatal(err)
@@ -818,5 +887,36 @@ func TestControlsKeyOrder(t *testing.T) {
 	}
 	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status <> 'done'`); n != 0 {
 		t.Errorf("%d rows left", n)
+	}
+}
+
+// The children of a fan-out split, by payloads, by range and by bounds, start with their
+// parent's priority (an urgent parent's work stays urgent); they do not take its
+// concurrency_key or unique_key (a child's key would make its siblings wait on one another,
+// and a unique key cannot be shared).
+func TestControlsFanoutChildrenPriority(t *testing.T) {
+	s := newTestSchema(t)
+	for i, split := range []func(parent int64) int64{
+		func(parent int64) int64 { return faninSplitPayloads(t, s.DB, parent, 3) },
+		func(parent int64) int64 { return faninSplitRange(t, s.DB, parent, 1, 300, 3, 1) },
+		func(parent int64) int64 {
+			var fid int64
+			if err := s.DB.QueryRow(`SELECT fanout_split_bounds($1, 'split', 'cont', 'child', '{1,10,20,30}')`, parent).Scan(&fid); err != nil {
+				t.Fatal(err)
+			}
+			return fid
+		},
+	} {
+		parent := faninParent(t, s, "split")
+		s.exec(t, `UPDATE workqueue SET priority = -7, concurrency_key = 'relay', unique_key = $2 WHERE workqueue_id = $1`,
+			parent, fmt.Sprintf("order-%d", i))
+		fid := split(parent)
+		if n := s.count(t, `SELECT count(*) FROM workqueue WHERE fanout_id = $1`, fid); n != 3 {
+			t.Fatalf("split %d: %d children, want 3", i, n)
+		}
+		if n := s.count(t, `SELECT count(*) FROM workqueue WHERE fanout_id = $1
+		                     AND (priority <> -7 OR concurrency_key IS NOT NULL OR unique_key IS NOT NULL)`, fid); n != 0 {
+			t.Errorf("split %d: %d children without the parent's priority, or with its keys", i, n)
+		}
 	}
 }

@@ -717,9 +717,7 @@ func TestClaimPlanStaleStatistics(t *testing.T) {
 	}
 }
 
-// claimArgs are claimSQL's parameters for stages with the given capacities, no KEY_LIMIT and
-// no keyed message in flight.
+// claimArgs are claimSQL's parameters for stages with the given capacities.
 func claimArgs(stages []string, caps []int64) []any {
-	return []any{pq.Array(stages), pq.Array(caps), pq.Array(make([]int64, len(stages))),
-		pq.Array([]string{}), pq.Array([]string{}), pq.Array([]int64{})}
+	return []any{pq.Array(stages), pq.Array(caps)}
 }
