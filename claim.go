@@ -20,17 +20,21 @@ import (
 	"github.com/lib/pq"
 )
 
-// claimSQL takes up to cap pending rows per stage. $1 = stage names, $2 = capacities.
+// claimSQL takes up to cap pending rows per stage, smallest priority first, then in id
+// (enqueue) order, at most KEY_LIMIT - in flight rows per concurrency key. $1 = stage names,
+// $2 = capacities, $3 = KEY_LIMITs (0: none); $4, $5, $6 = (stage, key, messages in workers'
+// queues) for every key the coordinator has in flight: the coordinator, not the table, knows
+// what sits in workers' queues (a pipelined message counts from its claim to its reply).
 //
 // Its shape keeps the plan right whatever the statistics say (a queue table's statistics are
 // always stale: a burst lands between two ANALYZEs), each choice measured with EXPLAIN ANALYZE:
 //   - The ids are picked first, as an array (an InitPlan), and the UPDATE finds them through
 //     the primary key. Joined instead, the planner cannot see that each LATERAL stops at its
 //     cap and hashes every pending row (40 ms per claim with 100,000 pending, against 1-2 ms).
-//   - The pick orders by (stage, id) with stage = ANY (ARRAY[...]): only the partial pending
-//     index yields that order. With stage = c.stage the planner treats stage as a constant,
-//     drops it from the order, and with stale statistics walks the primary key past every
-//     claimed or done row (17 ms after 8,000 done rows and growing, against 1.9 ms).
+//   - The walk orders by (stage, priority, id) with stage = ANY (ARRAY[...]): only the partial
+//     pending index yields that order. With stage = c.stage the planner treats stage as a
+//     constant, drops it from the order, and with stale statistics walks the primary key past
+//     every claimed or done row (17 ms after 8,000 done rows and growing, against 1.9 ms).
 //   - The UPDATE's status test is wrapped in coalesce() (see the SQL), which the
 //     partial index's predicate cannot match: with stale statistics the planner would scan
 //     all pending rows through it and filter by id (218 ms with 20,000 pending). It still
@@ -39,12 +43,191 @@ import (
 //   - The inbox test reads the first inbox id through its primary key rather than EXISTS,
 //     which scans the heap and its dead rows until autovacuum has run.
 //
+// Concurrency keys (KEY_LIMIT) cost nothing for rows without one: the walk is the only read
+// (its key filter stops at concurrency_key IS NULL); parked is one probe of an empty index,
+// and blocked, walked, peek, pkeys and to_park are empty. For keyed rows, each choice
+// measured in the controls benchmark (bench/pipeline/workloads_controls.go) or a test:
+//   - A key's rows in the walk are taken from the walk, at most its free slots (KEY_LIMIT
+//     less what the coordinator has in workers' queues), numbered within the key: the walk
+//     is in (priority, id) order, so they are the key's first rows. Routing every walked key
+//     through a per-key lookup, as a first version did, cost two index probes per key per
+//     claim (1,000 keys: 3,247 messages/s against 5,274 without KEY_LIMIT, 273 µs of claim
+//     per claimed row against 94).
+//   - The walk skips the rows of blocked keys: those the coordinator has at their limit, and
+//     those with parked rows (served by key, below), through a hashed subplan on the index's
+//     own entries. Without it a key with one free slot put its unparked backlog in front of
+//     the other keys until all of it was parked (1,000 other keys behind 100,000 rows of one:
+//     10.7 s against 1.4 s alone); a per-row = ANY (array) there was quadratic in the keys.
+//   - A key whose rows fill the walk beyond its free slots by 64 or more, or that fills as
+//     much of the unfiltered front (peek, read only while some key is at its limit), has its
+//     next pending rows parked (key_parked), at most parkChunk per claim: parked rows leave
+//     workqueue_pending, so later walks never read them again (with 100,000 parked rows of one
+//     key and 1,000 others, a claim reads what it reads for the 1,000: TestControls-
+//     SaturatedKeyClaimCost). A key with a few rows ahead of its slots is not parked: a
+//     round-robin backlog over 1,000 keys would otherwise be parked whole and served key by
+//     key. A key with parked rows goes on being parked until none of it is left unparked.
+//   - parked lists the keys with parked rows by a skip scan of workqueue_parked: one probe
+//     per parked key, whatever its backlog, so a key whose slot freed is found again without
+//     any memory in the coordinator (a restart, an operator's edit lose nothing). Those keys'
+//     next rows come from workqueue_keyed and workqueue_parked merged in (priority, id) order,
+//     so a key's rows start in that order whether or not they were parked.
+//   - A key's unparked rows are looked up as key >= k AND key <= k, not key = k: equality makes
+//     the key a constant to the planner, and then workqueue_pending, ordered (stage, priority,
+//     id), serves the lookup as well as workqueue_keyed, by reading every pending row of the
+//     stage and filtering on the key; with the statistics of a table analysed before its
+//     backlog it chose that (9 s claims, 339 messages/s with 1,000 keys:
+//     TestControlsClaimPlanStaleStatistics). As a range the key stays in the ORDER BY, which
+//     only workqueue_keyed yields.
+//   - The walk's rows are at most cap per stage, so only rows of keys served by key (keyed)
+//     can make a stage's pick exceed its cap: the window that cuts them runs only then. Run
+//     always, its sort and row_number over 2048 rows took the pick from 0.7 ms to 4-40 ms under
+//     EXPLAIN ANALYZE on the W1 backlog (bench controls, W1's EXPLAIN).
+//   - The ids to park, like the ids to claim, are picked through the index first and updated
+//     by primary key; both UPDATEs read one snapshot and touch disjoint rows (park excludes
+//     the pick, through a hashed subplan: = ANY (ARRAY(...)) there compared each candidate
+//     with every picked id).
+//
 // After the claimed rows come, for the open fan-out groups of the claimed children, one row
 // each with the group's remaining children as its counters say (workqueue_id NULL, fanout_id
 // set): the wake rule's "may this group be complete?" needs it, and without it the first
 // completion of every group would cost a flush. The final row (workqueue_id and fanout_id
-// NULL) carries the earliest paused retry_at and whether the fan-in inbox holds unapplied
-// events (for writers the coordinator cannot hear).
+// NULL) carries the earliest paused retry_at, whether the fan-in inbox holds unapplied
+// events (for writers the coordinator cannot hear), and how many rows this claim parked.
+const claimKeyedSQL = `
+WITH RECURSIVE stages AS (
+    SELECT * FROM unnest($1::text[], $2::int[], $3::int[]) AS c(stage, cap, key_limit)
+), busy AS (
+    SELECT * FROM unnest($4::text[], $5::text[], $6::int[]) AS b(stage, key, n)
+), parked (stage, key) AS (
+    (SELECT w.stage, w.concurrency_key FROM workqueue w
+      WHERE w.status = 'pending' AND w.key_parked
+      ORDER BY w.stage, w.concurrency_key LIMIT 1)
+    UNION ALL
+    SELECT n.stage, n.key FROM parked k CROSS JOIN LATERAL (
+           SELECT w.stage, w.concurrency_key AS key FROM workqueue w
+            WHERE w.status = 'pending' AND w.key_parked AND (w.stage, w.concurrency_key) > (k.stage, k.key)
+            ORDER BY w.stage, w.concurrency_key LIMIT 1) n
+), full_keys AS MATERIALIZED (
+    SELECT b.stage, b.key FROM busy b JOIN stages c ON c.stage = b.stage
+     WHERE c.key_limit > 0 AND b.n >= c.key_limit
+), blocked AS MATERIALIZED (
+    SELECT stage, key FROM full_keys UNION SELECT stage, key FROM parked
+), walk AS MATERIALIZED (
+    SELECT c.stage, c.cap, c.key_limit, p.workqueue_id, p.priority, p.concurrency_key
+      FROM stages c
+     CROSS JOIN LATERAL (
+           SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w
+            WHERE w.status = 'pending' AND NOT w.key_parked AND w.stage = ANY (ARRAY[c.stage])
+              AND (w.concurrency_key IS NULL
+                   OR NOT ((w.stage, w.concurrency_key) IN (SELECT stage, key FROM blocked)))
+            ORDER BY w.stage, w.priority, w.workqueue_id
+            LIMIT c.cap) p
+), walked AS MATERIALIZED (
+    SELECT w.stage, w.cap, w.workqueue_id, w.priority, w.concurrency_key,
+           greatest(w.key_limit - coalesce(b.n, 0), 0) AS free,
+           row_number() OVER (PARTITION BY w.stage, w.concurrency_key ORDER BY w.priority, w.workqueue_id) AS kn
+      FROM walk w
+      LEFT JOIN busy b ON b.stage = w.stage AND b.key = w.concurrency_key
+     WHERE w.concurrency_key IS NOT NULL AND w.key_limit > 0
+), peek AS (
+    SELECT c.stage, p.concurrency_key AS key, count(*) AS n
+      FROM stages c
+     CROSS JOIN LATERAL (
+           SELECT w.concurrency_key FROM workqueue w
+            WHERE EXISTS (SELECT 1 FROM full_keys f WHERE f.stage = c.stage)
+              AND w.status = 'pending' AND NOT w.key_parked AND w.stage = ANY (ARRAY[c.stage])
+            ORDER BY w.stage, w.priority, w.workqueue_id
+            LIMIT c.cap) p
+     WHERE (c.stage, p.concurrency_key) IN (SELECT stage, key FROM full_keys)
+     GROUP BY c.stage, p.concurrency_key
+), pkeys AS MATERIALIZED (
+    SELECT k.stage, k.key, c.cap, c.key_limit,
+           least(CASE WHEN c.key_limit > 0 THEN greatest(c.key_limit - coalesce(b.n, 0), 0) ELSE c.cap END, c.cap) AS free
+      FROM parked k
+      JOIN stages c ON c.stage = k.stage
+      LEFT JOIN busy b ON b.stage = k.stage AND b.key = k.key
+), keyed AS (
+    SELECT k.stage, k.cap, r.workqueue_id, r.priority, r.concurrency_key
+      FROM pkeys k
+     CROSS JOIN LATERAL (
+           SELECT u.* FROM (
+                  (SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w
+                    WHERE w.status = 'pending' AND w.concurrency_key IS NOT NULL AND NOT w.key_parked
+                      AND w.stage = k.stage AND w.concurrency_key >= k.key AND w.concurrency_key <= k.key
+                    ORDER BY w.stage, w.concurrency_key, w.priority, w.workqueue_id LIMIT k.free)
+                  UNION ALL
+                  (SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w
+                    WHERE w.status = 'pending' AND w.key_parked
+                      AND w.stage = k.stage AND w.concurrency_key = k.key
+                    ORDER BY w.stage, w.concurrency_key, w.priority, w.workqueue_id LIMIT k.free)) u
+            ORDER BY u.priority, u.workqueue_id LIMIT k.free) r
+), pick AS MATERIALIZED (
+    SELECT stage, workqueue_id FROM walk
+     WHERE (concurrency_key IS NULL OR NOT key_limit > 0) AND NOT EXISTS (SELECT 1 FROM keyed)
+    UNION ALL
+    SELECT stage, workqueue_id FROM walked WHERE kn <= free AND NOT EXISTS (SELECT 1 FROM keyed)
+    UNION ALL
+    SELECT x.stage, x.workqueue_id
+      FROM (SELECT u.*, row_number() OVER (PARTITION BY u.stage ORDER BY u.priority, u.workqueue_id) AS rn
+              FROM (SELECT stage, cap, workqueue_id, priority FROM walk
+                     WHERE concurrency_key IS NULL OR NOT key_limit > 0
+                    UNION ALL
+                    SELECT stage, cap, workqueue_id, priority FROM walked WHERE kn <= free
+                    UNION ALL
+                    SELECT stage, cap, workqueue_id, priority FROM keyed) u) x
+     WHERE x.rn <= x.cap AND EXISTS (SELECT 1 FROM keyed)
+), claimed AS (
+    UPDATE workqueue q
+       SET status = 'running', key_parked = false,
+           claim = (SELECT nextval('workqueue_claim_seq')), claimed_at = now(),
+           status_at = now()
+     WHERE q.workqueue_id = ANY (ARRAY(SELECT workqueue_id FROM pick))
+       AND coalesce(q.status, '') = 'pending'
+    RETURNING q.workqueue_id, q.stage, q.claim, q.attempts, q.fanout_id, q.priority, q.concurrency_key
+), to_park AS (
+    SELECT stage, concurrency_key AS key FROM walked
+     GROUP BY stage, concurrency_key, free HAVING count(*) - free >= 64
+    UNION
+    SELECT k.stage, k.key FROM pkeys k WHERE k.key_limit > 0
+    UNION
+    SELECT stage, key FROM peek WHERE n >= 64
+), parking AS (
+    UPDATE workqueue q SET key_parked = true
+     WHERE q.workqueue_id = ANY (ARRAY(
+             SELECT r.workqueue_id
+               FROM to_park s
+              CROSS JOIN LATERAL (
+                    SELECT w.workqueue_id FROM workqueue w
+                     WHERE w.status = 'pending' AND w.concurrency_key IS NOT NULL AND NOT w.key_parked
+                       AND w.stage = s.stage AND w.concurrency_key >= s.key AND w.concurrency_key <= s.key
+                       AND w.workqueue_id NOT IN (SELECT workqueue_id FROM pick)
+                     ORDER BY w.stage, w.concurrency_key, w.priority, w.workqueue_id
+                     LIMIT 2000) r
+              LIMIT 2000))
+       AND coalesce(q.status, '') = 'pending'
+    RETURNING 1
+)
+SELECT workqueue_id, stage, claim, attempts, fanout_id, priority, concurrency_key,
+       NULL::int, NULL::timestamptz, NULL::boolean, NULL::bigint, NULL::bigint FROM claimed
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, f.fanout_id, NULL, NULL, f.expected_n - f.done_n - f.failed_n, NULL, NULL, NULL, NULL
+  FROM fanout f
+ WHERE f.fanout_id = ANY (ARRAY(SELECT DISTINCT fanout_id FROM claimed WHERE fanout_id IS NOT NULL))
+   AND f.state = 'open'
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused'),
+       (SELECT id FROM fanin_event ORDER BY id LIMIT 1) IS NOT NULL, (SELECT count(*) FROM parking), 0::bigint`
+
+// claimSQL is the claim when no stage asked for has a KEY_LIMIT, the common case: the walk
+// of workqueue_pending and nothing else, as before the controls. claimKeyedSQL's CTEs cost
+// a claim with no key about three times this one's time (W1: 12,500 messages/s against
+// 33,700, bench/pipeline -only W1), though each read an empty set. $1 = stage names,
+// $2 = capacities.
+//
+// Rows parked while a stage had a KEY_LIMIT that a reload then removed are unparked here,
+// parkChunk per claim (one probe of the empty workqueue_parked otherwise), and taken by the
+// next claim, which the coordinator runs at once when this one unparked any: this claim's
+// snapshot does not see them.
 const claimSQL = `
 WITH claimed AS (
     UPDATE workqueue q
@@ -55,74 +238,103 @@ WITH claimed AS (
                FROM unnest($1::text[], $2::int[]) AS c(stage, cap)
               CROSS JOIN LATERAL (
                     SELECT w.workqueue_id FROM workqueue w
-                     WHERE w.status = 'pending' AND w.stage = ANY (ARRAY[c.stage])
-                     ORDER BY w.stage, w.workqueue_id
+                     WHERE w.status = 'pending' AND NOT w.key_parked AND w.stage = ANY (ARRAY[c.stage])
+                     ORDER BY w.stage, w.priority, w.workqueue_id
                      LIMIT c.cap) p))
        AND coalesce(q.status, '') = 'pending'
-    RETURNING q.workqueue_id, q.stage, q.claim, q.attempts, q.fanout_id
+    RETURNING q.workqueue_id, q.stage, q.claim, q.attempts, q.fanout_id, q.priority, q.concurrency_key
+), unparking AS (
+    UPDATE workqueue q SET key_parked = false
+     WHERE q.workqueue_id = ANY (ARRAY(
+             SELECT w.workqueue_id FROM workqueue w
+              WHERE w.status = 'pending' AND w.key_parked AND w.stage = ANY ($1::text[])
+              ORDER BY w.stage, w.concurrency_key, w.priority, w.workqueue_id
+              LIMIT 2000))
+       AND coalesce(q.status, '') = 'pending'
+    RETURNING 1
 )
-SELECT workqueue_id, stage, claim, attempts, fanout_id, NULL::int, NULL::timestamptz, NULL::boolean FROM claimed
+SELECT workqueue_id, stage, claim, attempts, fanout_id, priority, concurrency_key,
+       NULL::int, NULL::timestamptz, NULL::boolean, NULL::bigint, NULL::bigint FROM claimed
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, f.fanout_id, f.expected_n - f.done_n - f.failed_n, NULL, NULL
+SELECT NULL, NULL, NULL, NULL, f.fanout_id, NULL, NULL, f.expected_n - f.done_n - f.failed_n, NULL, NULL, NULL, NULL
   FROM fanout f
  WHERE f.fanout_id = ANY (ARRAY(SELECT DISTINCT fanout_id FROM claimed WHERE fanout_id IS NOT NULL))
    AND f.state = 'open'
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused'),
-       (SELECT id FROM fanin_event ORDER BY id LIMIT 1) IS NOT NULL`
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused'),
+       (SELECT id FROM fanin_event ORDER BY id LIMIT 1) IS NOT NULL, 0::bigint, (SELECT count(*) FROM unparking)`
+
+// parkChunk bounds the rows one claim parks (claimSQL's LIMIT 2000, per key and in all; the
+// statement stays one literal, which the benchmark reads out of this file): parking costs
+// about 50 µs a row (each is a new row version in three indexes, and the fan-in statement
+// trigger reads it), so a backlog of 100,000 parked at once would hold the claim for seconds,
+// past dbStatementBudget on a loaded machine. Until a key's backlog is parked, the walk skips
+// its rows by a filter on the index's own entries (no heap access).
+const parkChunk = 2000
 
 // claimResult is what one claim returned.
 type claimResult struct {
-	byStage   map[string][]*message // claimed rows per stage, in id order
+	byStage   map[string][]*message // claimed rows per stage, in (priority, id) order
 	total     int
 	nextRetry time.Time     // earliest paused row's due time; zero if none
 	inbox     bool          // the fan-in inbox is not empty
 	remaining map[int64]int // open groups of the claimed children: remaining children per the counters
+	parked    int64         // rows this claim parked behind a saturated concurrency key
+	unparked  int64         // parked rows of stages without a KEY_LIMIT, for the next claim
 }
 
 // claimer runs the claim statement on the lock connection, prepared once per connection.
 type claimer struct {
-	stmt *sql.Stmt
-	conn *sql.Conn // the connection stmt was prepared on
+	stmt, keyed *sql.Stmt // claimSQL, claimKeyedSQL; each prepared on first use
+	conn        *sql.Conn // the connection they were prepared on
 
 	// Reused between claims: the claim loop runs once per burst of replies, so these
 	// slices would otherwise be garbage every time.
-	names []string
-	caps  []int64
+	names              []string
+	caps, limits       []int64
+	busyStages, busyKs []string
+	busyNs             []int64
 }
 
-// claim takes up to want[stage] rows per stage.
-func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]int) (claimResult, error) {
+// claim takes up to want[stage] rows per stage, at most keys' limit per concurrency key.
+func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]int, keys *keyLoad) (claimResult, error) {
 	res := claimResult{byStage: map[string][]*message{}}
-	if cl.conn != conn || cl.stmt == nil {
-		if cl.stmt != nil {
-			cl.stmt.Close() // prepared on a connection that is gone
-		}
-		stmt, err := conn.PrepareContext(ctx, claimSQL)
-		if err != nil {
-			cl.stmt, cl.conn = nil, nil
-			return res, fmt.Errorf("prepare claim: %w", err)
-		}
-		cl.stmt, cl.conn = stmt, conn
+	if cl.conn != conn {
+		cl.close() // prepared on a connection that is gone
+		cl.conn = conn
 	}
-	cl.names, cl.caps = cl.names[:0], cl.caps[:0]
+	cl.names, cl.caps, cl.limits = cl.names[:0], cl.caps[:0], cl.limits[:0]
+	keyed := false
 	for name, n := range want {
 		if n > 0 {
 			cl.names = append(cl.names, name)
 			cl.caps = append(cl.caps, int64(n))
+			cl.limits = append(cl.limits, int64(keys.limit[name]))
+			keyed = keyed || keys.limit[name] > 0
 		}
 	}
-	rows, err := cl.stmt.QueryContext(ctx, pq.Array(cl.names), pq.Array(cl.caps))
+	var rows *sql.Rows
+	var err error
+	if keyed {
+		rows, err = cl.queryKeyed(ctx, keys)
+	} else {
+		if cl.stmt == nil {
+			if cl.stmt, err = conn.PrepareContext(ctx, claimSQL); err != nil {
+				return res, fmt.Errorf("prepare claim: %w", err)
+			}
+		}
+		rows, err = cl.stmt.QueryContext(ctx, pq.Array(cl.names), pq.Array(cl.caps))
+	}
 	if err != nil {
 		return res, fmt.Errorf("claim: %w", err)
 	}
 	defer rows.Close()
 	for rows.Next() {
-		var id, claim, attempts, fanout, remaining sql.NullInt64
-		var stage sql.NullString
+		var id, claim, attempts, fanout, priority, remaining, parked, unparked sql.NullInt64
+		var stage, key sql.NullString
 		var next sql.NullTime
 		var inbox sql.NullBool
-		if err := rows.Scan(&id, &stage, &claim, &attempts, &fanout, &remaining, &next, &inbox); err != nil {
+		if err := rows.Scan(&id, &stage, &claim, &attempts, &fanout, &priority, &key, &remaining, &next, &inbox, &parked, &unparked); err != nil {
 			return res, fmt.Errorf("claim: read row: %w", err)
 		}
 		if !id.Valid && fanout.Valid {
@@ -137,28 +349,53 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 				res.nextRetry = next.Time
 			}
 			res.inbox = inbox.Bool
+			res.parked, res.unparked = parked.Int64, unparked.Int64
 			continue
 		}
 		m := &message{id: id.Int64, stage: stage.String, claim: claim.Int64,
-			attempts: int(attempts.Int64), fanout: fanout.Int64}
+			attempts: int(attempts.Int64), fanout: fanout.Int64,
+			priority: int(priority.Int64), key: key.String, keyed: key.Valid}
 		res.byStage[m.stage] = append(res.byStage[m.stage], m)
 		res.total++
 	}
 	if err := rows.Err(); err != nil {
 		return res, fmt.Errorf("claim: %w", err)
 	}
-	// RETURNING has no order; workers get their messages in id (enqueue) order.
+	// RETURNING has no order; workers get their messages in claim order: priority, then id.
 	for _, msgs := range res.byStage {
-		slices.SortFunc(msgs, func(a, b *message) int { return cmp.Compare(a.id, b.id) })
+		slices.SortFunc(msgs, func(a, b *message) int {
+			return cmp.Or(cmp.Compare(a.priority, b.priority), cmp.Compare(a.id, b.id))
+		})
 	}
 	return res, nil
 }
 
-func (cl *claimer) close() {
-	if cl.stmt != nil {
-		cl.stmt.Close()
-		cl.stmt, cl.conn = nil, nil
+// queryKeyed runs claimKeyedSQL with cl.names, caps and limits and what keys has in flight.
+func (cl *claimer) queryKeyed(ctx context.Context, keys *keyLoad) (*sql.Rows, error) {
+	if cl.keyed == nil {
+		stmt, err := cl.conn.PrepareContext(ctx, claimKeyedSQL)
+		if err != nil {
+			return nil, fmt.Errorf("prepare: %w", err)
+		}
+		cl.keyed = stmt
 	}
+	cl.busyStages, cl.busyKs, cl.busyNs = cl.busyStages[:0], cl.busyKs[:0], cl.busyNs[:0]
+	for k, n := range keys.busy {
+		cl.busyStages = append(cl.busyStages, k.stage)
+		cl.busyKs = append(cl.busyKs, k.key)
+		cl.busyNs = append(cl.busyNs, int64(n))
+	}
+	return cl.keyed.QueryContext(ctx, pq.Array(cl.names), pq.Array(cl.caps), pq.Array(cl.limits),
+		pq.Array(cl.busyStages), pq.Array(cl.busyKs), pq.Array(cl.busyNs))
+}
+
+func (cl *claimer) close() {
+	for _, st := range []*sql.Stmt{cl.stmt, cl.keyed} {
+		if st != nil {
+			st.Close()
+		}
+	}
+	cl.stmt, cl.keyed, cl.conn = nil, nil, nil
 }
 
 // claim takes work for every stage with free capacity in one statement and hands it out.
@@ -177,9 +414,10 @@ func (c *coordinator) claim() {
 	if len(c.want) == 0 {
 		return // every stage is full or held: replies and timers will ask again
 	}
+	c.keys.limitsOf(c.pools)
 	ctx, cancel := c.budget()
 	t0 := time.Now()
-	res, err := c.claimer.claim(ctx, c.inst.conn, c.want)
+	res, err := c.claimer.claim(ctx, c.inst.conn, c.want, &c.keys)
 	c.claimMax = max(c.claimMax, time.Since(t0))
 	cancel()
 	if err != nil {
@@ -192,6 +430,13 @@ func (c *coordinator) claim() {
 	c.fanin.inbox = res.inbox
 	c.fanin.learn(res.remaining)
 	c.backlog = false
+	if res.parked > 0 {
+		c.log.Debug("rows parked behind saturated concurrency keys", "rows", res.parked)
+	}
+	if res.unparked > 0 {
+		c.log.Info("rows parked under a KEY_LIMIT since removed go back to pending", "rows", res.unparked)
+		c.claimWanted = true // this claim's snapshot did not see them
+	}
 	if res.total == 0 {
 		return
 	}
@@ -204,7 +449,7 @@ func (c *coordinator) claim() {
 	}
 }
 
-// assign hands claimed messages (in id order) to the stage's workers, packing them.
+// assign hands claimed messages (in claim order) to the stage's workers, packing them.
 func (c *coordinator) assign(p *pool, msgs []*message) {
 	now := time.Now()
 	for len(msgs) > 0 {
@@ -226,6 +471,7 @@ func (c *coordinator) assign(p *pool, msgs []*message) {
 		}
 		w.queue = append(w.queue, batch...)
 		w.sent += n
+		c.keys.take(batch)
 		c.inflight[p.cfg.Name] += n
 		c.inflightAll += n
 		c.stats.Global.StageRuns += int64(n)

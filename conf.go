@@ -116,7 +116,8 @@ type StageConfig struct {
 	MinSpan     int64         // each range slice spans at least this much (PEPSI_MIN_SPAN)
 	// Paused: not claimed (PAUSED = yes, normally a config row written by pepsi-queue pause).
 	// Changing it alone is applied in place by a reload: no worker is retired (reload.go).
-	Paused bool
+	Paused   bool
+	KeyLimit int // at most this many messages per concurrency_key in workers' queues; 0: no limit
 
 	origin map[string]string // key (and "" for the section) -> "FILE:LINE" for errors
 }
@@ -130,7 +131,8 @@ func (s *StageConfig) equal(o *StageConfig) bool {
 		s.Parallelism == o.Parallelism && s.QueueLimit == o.QueueLimit &&
 		s.MaxMessages == o.MaxMessages && s.MaxAttempts == o.MaxAttempts &&
 		s.RetryDelay == o.RetryDelay && s.Fuse == o.Fuse &&
-		s.MaxChildren == o.MaxChildren && s.MinSpan == o.MinSpan && s.Paused == o.Paused
+		s.MaxChildren == o.MaxChildren && s.MinSpan == o.MinSpan && s.Paused == o.Paused &&
+		s.KeyLimit == o.KeyLimit
 }
 
 // configError is an operator mistake in the file or the overlay; start-up maps it to exit 2.
@@ -598,6 +600,8 @@ func (s *StageConfig) set(key, value string) error {
 		s.MaxChildren, err = parseCount(value, 1, 10000000)
 	case "PAUSED":
 		s.Paused, err = parseBool(value)
+	case "KEY_LIMIT":
+		s.KeyLimit, err = parseCount(value, 1, 1<<31-1)
 	case "MIN_SPAN":
 		var n int
 		n, err = parseCount(value, 1, 1<<31-1)

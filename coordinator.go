@@ -67,6 +67,7 @@ type coordinator struct {
 	nextWorkerID int
 	inflight     map[string]int // messages in workers' queues, per stage
 	inflightAll  int
+	keys         keyLoad  // the same, per concurrency key, and the stages' KEY_LIMITs (keys.go)
 	workerEnv    []string // environment common to all workers
 	workerDSN    string   // PEPSI_DSN: the DSN with the worker application_name
 

@@ -400,7 +400,7 @@ func TestClaimCapacityOrderAndUnknownStages(t *testing.T) {
 	defer cl.close()
 	ctx := context.Background()
 
-	res, err := cl.claim(ctx, conn, map[string]int{"a": 4, "b": 8})
+	res, err := cl.claim(ctx, conn, map[string]int{"a": 4, "b": 8}, &keyLoad{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -427,7 +427,7 @@ func TestClaimCapacityOrderAndUnknownStages(t *testing.T) {
 		t.Errorf("next retry %v, want about an hour from now", res.nextRetry)
 	}
 	// The backlog drains in later claims, with a new token each time.
-	res2, err := cl.claim(ctx, conn, map[string]int{"a": 100})
+	res2, err := cl.claim(ctx, conn, map[string]int{"a": 100}, &keyLoad{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -447,7 +447,7 @@ func TestClaimUsesPartialIndex(t *testing.T) {
 	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'a', 'done' FROM generate_series(1, 20000)`)
 	s.exec(t, `INSERT INTO workqueue (stage) SELECT 'a' FROM generate_series(1, 10)`)
 	s.exec(t, `ANALYZE workqueue`)
-	rows, err := s.DB.Query(`EXPLAIN `+strings.Replace(claimSQL, "$2::int[]", "ARRAY[4]", 1)+``, pq.Array([]string{"a"}))
+	rows, err := s.DB.Query(`EXPLAIN `+claimSQL, claimArgs([]string{"a"}, []int64{4})...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -693,7 +693,7 @@ func TestClaimPlanStaleStatistics(t *testing.T) {
 		if _, err := conn.ExecContext(ctx, "SET plan_cache_mode = "+mode); err != nil {
 			t.Fatal(err)
 		}
-		rows, err := conn.QueryContext(ctx, "EXPLAIN (ANALYZE, COSTS OFF) "+claimSQL, pq.Array([]string{"a"}), pq.Array([]int64{256}))
+		rows, err := conn.QueryContext(ctx, "EXPLAIN (ANALYZE, COSTS OFF) "+claimSQL, claimArgs([]string{"a"}, []int64{256})...)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -715,4 +715,9 @@ func TestClaimPlanStaleStatistics(t *testing.T) {
 			t.Errorf("%s: the claim walks past the done prefix:\n%s", mode, p)
 		}
 	}
+}
+
+// claimArgs are claimSQL's parameters for stages with the given capacities.
+func claimArgs(stages []string, caps []int64) []any {
+	return []any{pq.Array(stages), pq.Array(caps)}
 }

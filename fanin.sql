@@ -415,6 +415,7 @@ RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     n   int := greatest(coalesce(array_length(p_bounds, 1), 0) - 1, 0);
     fid bigint;
+    prio int;  -- children start with their parent's priority (not its keys)
 BEGIN
     IF p_child_stage IS NULL OR p_continuation IS NULL THEN
         RAISE EXCEPTION 'fanout split of %: child stage and continuation are required', p_parent
@@ -431,9 +432,10 @@ BEGIN
     IF fid IS NULL THEN
         RETURN NULL;
     END IF;
+    SELECT priority INTO prio FROM workqueue WHERE workqueue_id = p_parent;
     WITH c AS (
-        INSERT INTO workqueue (stage, status, payload, fanout_id, fanout_seq, range_lo, range_hi)
-        SELECT p_child_stage, 'pending', p_child_payload, fid, (k - 1)::int, lo, hi
+        INSERT INTO workqueue (stage, status, payload, fanout_id, fanout_seq, range_lo, range_hi, priority)
+        SELECT p_child_stage, 'pending', p_child_payload, fid, (k - 1)::int, lo, hi, prio
           FROM (SELECT k, b AS lo, lead(b) OVER (ORDER BY k) AS hi
                   FROM unnest(p_bounds) WITH ORDINALITY AS u(b, k)) s
          WHERE k <= n
@@ -485,6 +487,7 @@ RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     n   int;
     fid bigint;
+    prio int;  -- children start with their parent's priority (not its keys)
 BEGIN
     IF p_payloads IS NULL OR jsonb_typeof(p_payloads) <> 'array' THEN
         RAISE EXCEPTION 'fanout split of %: payloads must be a JSON array', p_parent
@@ -499,9 +502,10 @@ BEGIN
     IF fid IS NULL THEN
         RETURN NULL;
     END IF;
+    SELECT priority INTO prio FROM workqueue WHERE workqueue_id = p_parent;
     WITH c AS (
-        INSERT INTO workqueue (stage, status, payload, fanout_id, fanout_seq)
-        SELECT p_child_stage, 'pending', e.payload, fid, (e.i - 1)::int
+        INSERT INTO workqueue (stage, status, payload, fanout_id, fanout_seq, priority)
+        SELECT p_child_stage, 'pending', e.payload, fid, (e.i - 1)::int, prio
           FROM jsonb_array_elements(p_payloads) WITH ORDINALITY AS e(payload, i)
         RETURNING workqueue_id)
     UPDATE fanout SET (child_lo, child_hi) = (SELECT min(workqueue_id), max(workqueue_id) FROM c)
@@ -524,6 +528,7 @@ RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     n   int := fanout_range_n(p_lo, p_hi, p_max_children, p_min_span);
     fid bigint;
+    prio int;  -- children start with their parent's priority (not its keys)
 BEGIN
     IF p_child_stage IS NULL OR p_continuation IS NULL THEN
         RAISE EXCEPTION 'fanout split of %: child stage and continuation are required', p_parent
@@ -533,9 +538,10 @@ BEGIN
     IF fid IS NULL THEN
         RETURN NULL;
     END IF;
+    SELECT priority INTO prio FROM workqueue WHERE workqueue_id = p_parent;
     WITH c AS (
-        INSERT INTO workqueue (stage, status, payload, fanout_id, fanout_seq, range_lo, range_hi)
-        SELECT p_child_stage, 'pending', p_child_payload, fid, s.seq, s.range_lo, s.range_hi
+        INSERT INTO workqueue (stage, status, payload, fanout_id, fanout_seq, range_lo, range_hi, priority)
+        SELECT p_child_stage, 'pending', p_child_payload, fid, s.seq, s.range_lo, s.range_hi, prio
           FROM fanout_range_slices(p_lo, p_hi, p_max_children, p_min_span) AS s
         RETURNING workqueue_id)
     UPDATE fanout SET (child_lo, child_hi) = (SELECT min(workqueue_id), max(workqueue_id) FROM c)

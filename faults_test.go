@@ -165,7 +165,7 @@ func TestRetryBackoffDoubles(t *testing.T) {
 	for attempts, want := range []float64{10, 20, 40} {
 		id := insertOne(t, s, "a", `{}`)
 		s.exec(t, `UPDATE workqueue SET attempts = $2 WHERE workqueue_id = $1`, id, attempts)
-		res, err := cl.claim(context.Background(), conn, map[string]int{"a": 1})
+		res, err := cl.claim(context.Background(), conn, map[string]int{"a": 1}, &keyLoad{})
 		if err != nil || len(res.byStage["a"]) != 1 {
 			t.Fatalf("claim: %v %v", res, err)
 		}

@@ -69,6 +69,7 @@ func (c *coordinator) pop(w *worker, now time.Time) *message {
 	w.queue = w.queue[1:]
 	c.inflight[m.stage]--
 	c.inflightAll--
+	c.keys.release(m)
 	if c.backlog {
 		c.claimWanted = true
 	}

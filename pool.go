@@ -50,8 +50,9 @@ func fuseList(stages map[string]*StageConfig, name string) string {
 		s := stages[queue[0]]
 		queue = queue[1:]
 		for _, n := range s.Next {
-			// A paused stage is not fused either: its predecessors' workers would run it.
-			if t := stages[n]; t != nil && t.Fuse && !t.Paused && !seen[n] {
+			// A paused stage is not fused either: its predecessors' workers would run it. A
+			// stage with a KEY_LIMIT is never fused: its limit is kept by the claim.
+			if t := stages[n]; t != nil && t.Fuse && !t.Paused && t.KeyLimit == 0 && !seen[n] {
 				seen[n] = true
 				out = append(out, n+"="+strings.Join(t.Next, ","))
 				queue = append(queue, n)

@@ -21,6 +21,7 @@
 -- Who writes what:
 --   workqueue        INSERT by producers (enqueue); pending->running and every failure or
 --                    reset by the dispatcher only, guarded by (status, stage, claim);
+--                    key_parked by the dispatcher's claim only;
 --                    a stage's outcome (advance, done, defer, split) by the stage itself,
 --                    guarded by status = 'running' AND its own stage.
 --   config           operators (each change notifies config_changed).
@@ -57,9 +58,77 @@ CREATE TABLE IF NOT EXISTS workqueue (
 -- row that a stage advanced and the dispatcher claimed again is never hit by a stale failure.
 CREATE SEQUENCE IF NOT EXISTS workqueue_claim_seq;
 
--- The claim walks this index per stage, in id order, and stops at the stage's free capacity.
-CREATE INDEX IF NOT EXISTS workqueue_pending ON workqueue (stage, workqueue_id)
-    WHERE status = 'pending';
+-- The producer's controls (dispatch.md Part 3; pepsi-worker(7)), each optional, each set at
+-- enqueue, one line of SQL each:
+--   INSERT INTO workqueue (stage, payload, priority) VALUES ('a', '{}', -1);            -- smaller first (default 0)
+--   INSERT INTO workqueue (stage, payload, run_at) VALUES ('a', '{}', now() + interval '1 hour');  -- not before
+--   INSERT INTO workqueue (stage, payload, concurrency_key) VALUES ('a', '{}', 'relay-1');  -- KEY_LIMIT per key
+--   INSERT INTO workqueue (stage, payload, unique_key) VALUES ('a', '{}', 'order-42')
+--       ON CONFLICT DO NOTHING RETURNING workqueue_id;                                  -- no row back: a duplicate
+-- A message keeps its priority and keys through its stages (a stage may SET priority in its
+-- advance). key_parked is the claim's, not the producer's (see below).
+ALTER TABLE workqueue
+    ADD COLUMN IF NOT EXISTS priority        int     NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS run_at          timestamptz,
+    ADD COLUMN IF NOT EXISTS concurrency_key text,
+    ADD COLUMN IF NOT EXISTS unique_key      text,
+    ADD COLUMN IF NOT EXISTS key_parked      boolean NOT NULL DEFAULT false;
+
+-- The claim walks this index per stage, in (priority, id) order, and stops at the stage's free
+-- capacity. concurrency_key is carried (INCLUDE) so the walk needs nothing else from the row.
+-- Rows parked behind a key at its KEY_LIMIT are left out, so a saturated key's backlog is
+-- never walked again. An older version indexed (stage, workqueue_id) only: replaced.
+DO $$
+BEGIN
+    IF to_regclass('workqueue_pending') IS NOT NULL
+       AND pg_get_indexdef(to_regclass('workqueue_pending')) NOT LIKE '%priority%' THEN
+        DROP INDEX workqueue_pending;
+    END IF;
+END $$;
+CREATE INDEX IF NOT EXISTS workqueue_pending ON workqueue (stage, priority, workqueue_id)
+    INCLUDE (concurrency_key) WHERE status = 'pending' AND NOT key_parked;
+-- The unparked rows of one key in one stage, in claim order: the claim takes a key's next rows
+-- here and from workqueue_parked, and parks a saturated key's rows from here. Only rows with
+-- a key are indexed.
+CREATE INDEX IF NOT EXISTS workqueue_keyed ON workqueue (stage, concurrency_key, priority, workqueue_id)
+    WHERE status = 'pending' AND concurrency_key IS NOT NULL AND NOT key_parked;
+-- The parked rows, by key: the claim skips through the keys (one probe per parked key) and
+-- takes a key's next parked rows when it has a free slot.
+CREATE INDEX IF NOT EXISTS workqueue_parked ON workqueue (stage, concurrency_key, priority, workqueue_id)
+    WHERE status = 'pending' AND key_parked;
+
+-- unique_key: at most one message per key that is not in a terminal status. The list of
+-- terminal statuses is the one constant below ('cancelled' is operate.md's, listed even
+-- where the status check does not allow it yet): adding one is that one edit, and
+-- re-applying this file rebuilds the index when the list changed (the list in force is the
+-- index's comment). A duplicate INSERT ... ON CONFLICT DO NOTHING inserts nothing.
+DO $$
+DECLARE
+    terminal constant text := 'done,failed,cancelled';
+BEGIN
+    IF obj_description(to_regclass('workqueue_unique'), 'pg_class') IS DISTINCT FROM terminal THEN
+        DROP INDEX IF EXISTS workqueue_unique;
+        EXECUTE format('CREATE UNIQUE INDEX workqueue_unique ON workqueue (unique_key) '
+                       'WHERE unique_key IS NOT NULL AND status <> ALL (%L::text[])', '{' || terminal || '}');
+        EXECUTE format('COMMENT ON INDEX workqueue_unique IS %L', terminal);
+    END IF;
+END $$;
+
+-- run_at: a message enqueued for later waits as a paused row due at run_at, so the
+-- dispatcher's existing sleep until the earliest due paused row wakes it (no poll, no scan).
+-- The WHEN clause keeps an insert without run_at at one expression, not a function call.
+CREATE OR REPLACE FUNCTION workqueue_run_at() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+BEGIN
+    IF NEW.run_at > now() THEN
+        NEW.status := 'paused';
+        NEW.retry_at := NEW.run_at;
+    END IF;
+    RETURN NEW;
+END $$;
+
+CREATE OR REPLACE TRIGGER workqueue_run_at BEFORE INSERT ON workqueue
+    FOR EACH ROW WHEN (NEW.run_at IS NOT NULL AND NEW.status = 'pending')
+    EXECUTE FUNCTION workqueue_run_at();
 -- Retry scheduling: the earliest due time and the flip of due rows.
 CREATE INDEX IF NOT EXISTS workqueue_paused ON workqueue (retry_at)
     WHERE status = 'paused';

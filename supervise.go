@@ -207,6 +207,7 @@ func (c *coordinator) onExit(ev workerExit) {
 	w.queue = nil
 	c.inflight[w.stage] -= len(q)
 	c.inflightAll -= len(q)
+	c.keys.release(q...)
 	c.claimWanted = true
 	reason := exitReason(ev.state, ev.err)
 	log := c.log.With("stage", w.stage, "pid", w.pid)

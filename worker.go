@@ -39,9 +39,12 @@ const exitReadGrace = 2 * time.Second
 type message struct {
 	id       int64
 	stage    string
-	claim    int64 // the claim token the failure and reset writes are guarded by
-	attempts int   // failed attempts before this claim
-	fanout   int64 // fanout_id of a fan-out child, 0 for others
+	claim    int64  // the claim token the failure and reset writes are guarded by
+	attempts int    // failed attempts before this claim
+	fanout   int64  // fanout_id of a fan-out child, 0 for others
+	priority int    // the row's priority when claimed: workers get a claim's rows in (priority, id) order
+	key      string // concurrency_key, if keyed
+	keyed    bool   // the row has a concurrency_key: counted in keyLoad while in a worker's queue
 
 	forgotten bool // a reconcile found its row no longer our claim: no write of ours applies
 	// cancelled: an operator cancelled it while it was running (operate.go); its failure, if

@@ -14,6 +14,7 @@
 // bench/results.svg. Everything it started is stopped and removed on exit, error or Ctrl-C.
 //
 // `pipeline sut KIND ...` is internal: the process in which River or the raw loop runs.
+// `pipeline controls ...` measures the producer's controls of issue 20 (workloads_controls.go).
 package main
 
 import (
@@ -35,6 +36,9 @@ import (
 func main() {
 	if len(os.Args) > 1 && os.Args[1] == "sut" {
 		os.Exit(sutMain(os.Args[2:]))
+	}
+	if len(os.Args) > 1 && os.Args[1] == "controls" {
+		os.Exit(controlsMain(os.Args[2:])) // issue 20: workloads_controls.go
 	}
 	os.Exit(benchMain())
 }

@@ -191,7 +191,7 @@ func runRiver(ctx context.Context, dsn string, tuned bool, st *stamps) error {
 // The raw loop: the same row writes as pepsi, issued directly by a few goroutines with no
 // coordinator. Claim: the dispatcher's statement shape (claim.go), per stage, plus SKIP LOCKED
 // since several goroutines claim: the pick walks the partial index workqueue_pending in
-// (stage, id) order (`stage = ANY (ARRAY[...])` with ORDER BY stage, id leaves the planner no
+// (stage, priority, id) order (`stage = ANY (ARRAY[...])` with that ORDER BY leaves the planner no
 // other ordered path, whatever the statistics say), and the UPDATE fetches exactly the picked
 // ids by primary key (the coalesce keeps it off the partial index). Outcome: the SDK's set-based UPDATE of a
 // batch's outcomes (stage/stage.go, outcomeStatement: unnest of the ids and their new stage,
@@ -202,8 +202,8 @@ const (
    SET status = 'running', claim = (SELECT nextval('workqueue_claim_seq')), claimed_at = now()
  WHERE q.workqueue_id = ANY (ARRAY(
         SELECT workqueue_id FROM workqueue
-         WHERE status = 'pending' AND stage = ANY (ARRAY[$1::text])
-         ORDER BY stage, workqueue_id LIMIT $2 FOR UPDATE SKIP LOCKED))
+         WHERE status = 'pending' AND NOT key_parked AND stage = ANY (ARRAY[$1::text])
+         ORDER BY stage, priority, workqueue_id LIMIT $2 FOR UPDATE SKIP LOCKED))
    AND coalesce(q.status, '') = 'pending'
 RETURNING q.workqueue_id`
 	rawOutcomesSQL = `UPDATE workqueue AS w SET stage = coalesce(v.stage, w.stage), status = v.status,

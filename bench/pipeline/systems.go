@@ -264,7 +264,10 @@ func (s *system) enqueueOne(ctx context.Context, msg int64, stages int) (int64, 
 // has no index on a locked job, so its jobs in flight are counted on the primary key's range
 // of the run's rows.
 func (s *system) counts(ctx context.Context, base int64) (pending, open int64, err error) {
-	q := `SELECT (SELECT count(*) FROM workqueue WHERE status = 'pending'),
+	// Pending rows are in two partial indexes: workqueue_pending, and workqueue_parked for
+	// those waiting behind a concurrency key at its KEY_LIMIT.
+	q := `SELECT (SELECT count(*) FROM workqueue WHERE status = 'pending' AND NOT key_parked) +
+	             (SELECT count(*) FROM workqueue WHERE status = 'pending' AND key_parked),
 	             (SELECT count(*) FROM workqueue WHERE status = 'running')`
 	var args []any
 	switch s.kind {
