@@ -740,6 +740,9 @@ func (b *bench) loadBigTable(ctx context.Context, s *system) (int64, error) {
 // the one of the code being measured.
 var claimSQLRe = regexp.MustCompile("(?s)const claimSQL = `(.*?)`")
 
+// claimKeyedSQLRe finds the claim for stages with a KEY_LIMIT (claim.go).
+var claimKeyedSQLRe = regexp.MustCompile("(?s)const claimKeyedSQL = `(.*?)`")
+
 // explainClaim shows the plan of pepsi's claim on the big table with a backlog pending, in a
 // transaction that is rolled back. First with the statistics a run starts with (the table was
 // analysed before the backlog arrived, as in a real system where a burst lands on a quiet

@@ -596,9 +596,10 @@ func (c *ctlBench) explainSaturated(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	mm := claimSQLRe.FindSubmatch(src)
+	// The keyed statement: the plain claimSQL is for stages without a KEY_LIMIT (claim.go).
+	mm := claimKeyedSQLRe.FindSubmatch(src)
 	if mm == nil {
-		return errors.New("claimSQL not found in claim.go")
+		return errors.New("claimKeyedSQL not found in claim.go")
 	}
 	b := c.after
 	explain := func(setup []string) (string, error) {
