@@ -20,7 +20,7 @@ import (
 	"github.com/lib/pq"
 )
 
-// claimSQL takes up to cap pending rows per stage, smallest priority first, then in id
+// claimKeyedSQL takes up to cap pending rows per stage, smallest priority first, then in id
 // (enqueue) order, at most KEY_LIMIT - in flight rows per concurrency key. $1 = stage names,
 // $2 = capacities, $3 = KEY_LIMITs (0: none); $4, $5, $6 = (stage, key, messages in workers'
 // queues) for every key the coordinator has in flight: the coordinator, not the table, knows
@@ -208,26 +208,25 @@ WITH RECURSIVE stages AS (
     RETURNING 1
 )
 SELECT workqueue_id, stage, claim, attempts, fanout_id, priority, concurrency_key,
-       NULL::int, NULL::timestamptz, NULL::boolean, NULL::bigint, NULL::bigint FROM claimed
+       NULL::int, NULL::timestamptz, NULL::boolean, NULL::bigint FROM claimed
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, f.fanout_id, NULL, NULL, f.expected_n - f.done_n - f.failed_n, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, NULL, NULL, f.fanout_id, NULL, NULL, f.expected_n - f.done_n - f.failed_n, NULL, NULL, NULL
   FROM fanout f
  WHERE f.fanout_id = ANY (ARRAY(SELECT DISTINCT fanout_id FROM claimed WHERE fanout_id IS NOT NULL))
    AND f.state = 'open'
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused'),
-       (SELECT id FROM fanin_event ORDER BY id LIMIT 1) IS NOT NULL, (SELECT count(*) FROM parking), 0::bigint`
+       (SELECT id FROM fanin_event ORDER BY id LIMIT 1) IS NOT NULL, (SELECT count(*) FROM parking)`
 
 // claimSQL is the claim when no stage asked for has a KEY_LIMIT, the common case: the walk
 // of workqueue_pending and nothing else, as before the controls. claimKeyedSQL's CTEs cost
 // a claim with no key about three times this one's time (W1: 12,500 messages/s against
 // 33,700, bench/pipeline -only W1), though each read an empty set. $1 = stage names,
-// $2 = capacities.
+// $2 = capacities. Its rows have claimKeyedSQL's columns, the parked count always 0.
 //
-// Rows parked while a stage had a KEY_LIMIT that a reload then removed are unparked here,
-// parkChunk per claim (one probe of the empty workqueue_parked otherwise), and taken by the
-// next claim, which the coordinator runs at once when this one unparked any: this claim's
-// snapshot does not see them.
+// It does not unpark: a data-modifying CTE runs on every execution even when it finds
+// nothing, and one here cost W1 about 10 % (bench/pipeline controls). unparkSQL does that,
+// on its own, only when the stage table says rows may be parked without a limit.
 const claimSQL = `
 WITH claimed AS (
     UPDATE workqueue q
@@ -243,29 +242,39 @@ WITH claimed AS (
                      LIMIT c.cap) p))
        AND coalesce(q.status, '') = 'pending'
     RETURNING q.workqueue_id, q.stage, q.claim, q.attempts, q.fanout_id, q.priority, q.concurrency_key
-), unparking AS (
-    UPDATE workqueue q SET key_parked = false
-     WHERE q.workqueue_id = ANY (ARRAY(
-             SELECT w.workqueue_id FROM workqueue w
-              WHERE w.status = 'pending' AND w.key_parked AND w.stage = ANY ($1::text[])
-              ORDER BY w.stage, w.concurrency_key, w.priority, w.workqueue_id
-              LIMIT 2000))
-       AND coalesce(q.status, '') = 'pending'
-    RETURNING 1
 )
 SELECT workqueue_id, stage, claim, attempts, fanout_id, priority, concurrency_key,
-       NULL::int, NULL::timestamptz, NULL::boolean, NULL::bigint, NULL::bigint FROM claimed
+       NULL::int, NULL::timestamptz, NULL::boolean, NULL::bigint FROM claimed
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, f.fanout_id, NULL, NULL, f.expected_n - f.done_n - f.failed_n, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, NULL, NULL, f.fanout_id, NULL, NULL, f.expected_n - f.done_n - f.failed_n, NULL, NULL, NULL
   FROM fanout f
  WHERE f.fanout_id = ANY (ARRAY(SELECT DISTINCT fanout_id FROM claimed WHERE fanout_id IS NOT NULL))
    AND f.state = 'open'
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused'),
-       (SELECT id FROM fanin_event ORDER BY id LIMIT 1) IS NOT NULL, 0::bigint, (SELECT count(*) FROM unparking)`
+       (SELECT id FROM fanin_event ORDER BY id LIMIT 1) IS NOT NULL, 0::bigint`
 
-// parkChunk bounds the rows one claim parks (claimSQL's LIMIT 2000, per key and in all; the
-// statement stays one literal, which the benchmark reads out of this file): parking costs
+// unparkSQL puts back to pending up to parkChunk parked rows of stages without a KEY_LIMIT
+// ($1 = the stages that have one), in the order the keys would be served, and returns how
+// many. Only the keyed claim parks, and only for a stage with a limit, so such rows exist
+// only after a reload removed a stage's limit, or from a previous run with another
+// configuration: the coordinator runs it at start and after such a reload, until a run
+// finds less than a chunk (keys.go's unpark), and never on the path of an ordinary claim.
+const unparkSQL = `
+WITH unparking AS (
+    UPDATE workqueue q SET key_parked = false
+     WHERE q.workqueue_id = ANY (ARRAY(
+             SELECT w.workqueue_id FROM workqueue w
+              WHERE w.status = 'pending' AND w.key_parked AND w.stage <> ALL ($1::text[])
+              ORDER BY w.stage, w.concurrency_key, w.priority, w.workqueue_id
+              LIMIT 2000))
+       AND coalesce(q.status, '') = 'pending'
+    RETURNING 1
+)
+SELECT count(*) FROM unparking`
+
+// parkChunk bounds the rows one claim parks (claimKeyedSQL's LIMIT 2000, per key and in all)
+// and one unparkSQL puts back (the statements stay literals, which the benchmark reads out of this file): parking costs
 // about 50 µs a row (each is a new row version in three indexes, and the fan-in statement
 // trigger reads it), so a backlog of 100,000 parked at once would hold the claim for seconds,
 // past dbStatementBudget on a loaded machine. Until a key's backlog is parked, the walk skips
@@ -280,13 +289,12 @@ type claimResult struct {
 	inbox     bool          // the fan-in inbox is not empty
 	remaining map[int64]int // open groups of the claimed children: remaining children per the counters
 	parked    int64         // rows this claim parked behind a saturated concurrency key
-	unparked  int64         // parked rows of stages without a KEY_LIMIT, for the next claim
 }
 
 // claimer runs the claim statement on the lock connection, prepared once per connection.
 type claimer struct {
-	stmt, keyed *sql.Stmt // claimSQL, claimKeyedSQL; each prepared on first use
-	conn        *sql.Conn // the connection they were prepared on
+	stmt, keyed, unparkSt *sql.Stmt // claimSQL, claimKeyedSQL, unparkSQL; each prepared on first use
+	conn                  *sql.Conn // the connection they were prepared on
 
 	// Reused between claims: the claim loop runs once per burst of replies, so these
 	// slices would otherwise be garbage every time.
@@ -304,18 +312,18 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 		cl.conn = conn
 	}
 	cl.names, cl.caps, cl.limits = cl.names[:0], cl.caps[:0], cl.limits[:0]
-	keyed := false
+	anyLimit := false
 	for name, n := range want {
 		if n > 0 {
 			cl.names = append(cl.names, name)
 			cl.caps = append(cl.caps, int64(n))
 			cl.limits = append(cl.limits, int64(keys.limit[name]))
-			keyed = keyed || keys.limit[name] > 0
+			anyLimit = anyLimit || keys.limit[name] > 0
 		}
 	}
 	var rows *sql.Rows
 	var err error
-	if keyed {
+	if anyLimit {
 		rows, err = cl.queryKeyed(ctx, keys)
 	} else {
 		if cl.stmt == nil {
@@ -330,11 +338,11 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 	}
 	defer rows.Close()
 	for rows.Next() {
-		var id, claim, attempts, fanout, priority, remaining, parked, unparked sql.NullInt64
+		var id, claim, attempts, fanout, priority, remaining, parked sql.NullInt64
 		var stage, key sql.NullString
 		var next sql.NullTime
 		var inbox sql.NullBool
-		if err := rows.Scan(&id, &stage, &claim, &attempts, &fanout, &priority, &key, &remaining, &next, &inbox, &parked, &unparked); err != nil {
+		if err := rows.Scan(&id, &stage, &claim, &attempts, &fanout, &priority, &key, &remaining, &next, &inbox, &parked); err != nil {
 			return res, fmt.Errorf("claim: read row: %w", err)
 		}
 		if !id.Valid && fanout.Valid {
@@ -349,7 +357,7 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 				res.nextRetry = next.Time
 			}
 			res.inbox = inbox.Bool
-			res.parked, res.unparked = parked.Int64, unparked.Int64
+			res.parked = parked.Int64
 			continue
 		}
 		m := &message{id: id.Int64, stage: stage.String, claim: claim.Int64,
@@ -389,13 +397,36 @@ func (cl *claimer) queryKeyed(ctx context.Context, keys *keyLoad) (*sql.Rows, er
 		pq.Array(cl.busyStages), pq.Array(cl.busyKs), pq.Array(cl.busyNs))
 }
 
+// unpark runs unparkSQL for the stages without a limit: limited lists those with one.
+func (cl *claimer) unpark(ctx context.Context, conn *sql.Conn, limited []string) (int64, error) {
+	if cl.conn != conn {
+		cl.close()
+		cl.conn = conn
+	}
+	if cl.unparkSt == nil {
+		stmt, err := conn.PrepareContext(ctx, unparkSQL)
+		if err != nil {
+			return 0, fmt.Errorf("prepare unpark: %w", err)
+		}
+		cl.unparkSt = stmt
+	}
+	if limited == nil {
+		limited = []string{} // pq.Array sends a nil slice as NULL, and <> ALL (NULL) is never true
+	}
+	var n int64
+	if err := cl.unparkSt.QueryRowContext(ctx, pq.Array(limited)).Scan(&n); err != nil {
+		return 0, fmt.Errorf("unpark: %w", err)
+	}
+	return n, nil
+}
+
 func (cl *claimer) close() {
-	for _, st := range []*sql.Stmt{cl.stmt, cl.keyed} {
+	for _, st := range []*sql.Stmt{cl.stmt, cl.keyed, cl.unparkSt} {
 		if st != nil {
 			st.Close()
 		}
 	}
-	cl.stmt, cl.keyed, cl.conn = nil, nil, nil
+	cl.stmt, cl.keyed, cl.unparkSt, cl.conn = nil, nil, nil, nil
 }
 
 // claim takes work for every stage with free capacity in one statement and hands it out.
@@ -414,8 +445,20 @@ func (c *coordinator) claim() {
 	if len(c.want) == 0 {
 		return // every stage is full or held: replies and timers will ask again
 	}
-	c.keys.limitsOf(c.pools)
 	ctx, cancel := c.budget()
+	if c.keys.unpark {
+		n, err := c.claimer.unpark(ctx, c.inst.conn, c.keys.limited)
+		if err != nil {
+			cancel()
+			c.claimWanted = true
+			c.dbTrouble("claim", err)
+			return
+		}
+		if n > 0 {
+			c.log.Info("rows parked under a KEY_LIMIT since removed go back to pending", "rows", n)
+		}
+		c.keys.unpark = n >= parkChunk // a full chunk: there may be more, for the next claim
+	}
 	t0 := time.Now()
 	res, err := c.claimer.claim(ctx, c.inst.conn, c.want, &c.keys)
 	c.claimMax = max(c.claimMax, time.Since(t0))
@@ -433,9 +476,8 @@ func (c *coordinator) claim() {
 	if res.parked > 0 {
 		c.log.Debug("rows parked behind saturated concurrency keys", "rows", res.parked)
 	}
-	if res.unparked > 0 {
-		c.log.Info("rows parked under a KEY_LIMIT since removed go back to pending", "rows", res.unparked)
-		c.claimWanted = true // this claim's snapshot did not see them
+	if c.keys.unpark {
+		c.claimWanted = true // the next chunk of parked rows, whether or not this claim took any
 	}
 	if res.total == 0 {
 		return

@@ -642,23 +642,23 @@ func TestControlsSaturatedKeyClaimCost(t *testing.T) {
 	}
 }
 
-// Rows parked under a KEY_LIMIT that a reload then removed are not stranded: the claim for
-// stages without a KEY_LIMIT (claimSQL) unparks them, parkChunk per claim, and the claims that
-// follow take every one of them, once each.
+// Rows parked under a KEY_LIMIT that a reload then removed are not stranded: unparkSQL puts
+// back those of stages without a limit, parkChunk per run, leaves a limited stage's alone,
+// and the plain claims that follow take every one of them, once each.
 func TestControlsKeyLimitRemovedUnparks(t *testing.T) {
-	if !strings.Contains(claimSQL, fmt.Sprintf("LIMIT %d))", parkChunk)) {
-		t.Fatalf("claimSQL's unparking LIMIT is not parkChunk (%d)", parkChunk)
+	if !strings.Contains(unparkSQL, fmt.Sprintf("LIMIT %d))", parkChunk)) {
+		t.Fatalf("unparkSQL's LIMIT is not parkChunk (%d)", parkChunk)
 	}
 	s := newTestSchema(t)
 	const n = 5000
-	s.exec(t, `INSERT INTO workqueue (stage, concurrency_key) SELECT 'a', 'hot' FROM generate_series(1, $1)`, n)
+	s.exec(t, `INSERT INTO workqueue (stage, concurrency_key) SELECT st, 'hot' FROM generate_series(1, $1), unnest(ARRAY['a', 'b']) st`, n)
 	conn := openLockConn(t, s)
 	var cl claimer
 	defer cl.close()
 	ctx := context.Background()
-	saturated := &keyLoad{limit: map[string]int{"a": 1}, busy: map[stageKey]int{{"a", "hot"}: 1}}
+	saturated := &keyLoad{limit: map[string]int{"a": 1, "b": 1}, busy: map[stageKey]int{{"a", "hot"}: 1, {"b", "hot"}: 1}}
 	for {
-		res, err := cl.claim(ctx, conn, map[string]int{"a": 64}, saturated)
+		res, err := cl.claim(ctx, conn, map[string]int{"a": 64, "b": 64}, saturated)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -669,32 +669,51 @@ func TestControlsKeyLimitRemovedUnparks(t *testing.T) {
 			break
 		}
 	}
-	parked := s.count(t, `SELECT count(*) FROM workqueue WHERE key_parked`)
-	if parked < n-64 {
-		t.Fatalf("%d of %d rows parked: the test did not park the key", parked, n)
+	parkedOf := func(stage string) int {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE key_parked AND stage = $1`, stage)
+	}
+	parkedA, parkedB := parkedOf("a"), parkedOf("b")
+	if parkedA < n-64 || parkedB < n-64 {
+		t.Fatalf("%d and %d of %d rows parked: the test did not park the keys", parkedA, parkedB, n)
 	}
 
-	// KEY_LIMIT removed: no limits, nothing counted in flight.
+	// a's KEY_LIMIT removed, b keeps its own: a's rows come back in chunks, b's stay.
+	unparked, runs := int64(0), 0
+	for {
+		got, err := cl.unpark(ctx, conn, []string{"b"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		runs++
+		if got > parkChunk {
+			t.Fatalf("one run unparked %d rows", got)
+		}
+		unparked += got
+		if got < parkChunk {
+			break
+		}
+	}
+	if unparked != int64(parkedA) || parkedOf("a") != 0 {
+		t.Errorf("unparked %d rows in %d runs, %d were parked; %d still are", unparked, runs, parkedA, parkedOf("a"))
+	}
+	if left := parkedOf("b"); left != parkedB {
+		t.Errorf("b keeps its KEY_LIMIT, yet %d of its %d parked rows were unparked", parkedB-left, parkedB)
+	}
+
+	// The plain claim (no limits, nothing in flight) takes all of a, once each.
 	var got []int64
-	unparked, claims := int64(0), 0
+	claims := 0
 	for claims = 1; claims < 1000; claims++ {
 		res, err := cl.claim(ctx, conn, map[string]int{"a": 256}, &keyLoad{})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if res.unparked > parkChunk {
-			t.Fatalf("one claim unparked %d rows", res.unparked)
+		if res.total == 0 {
+			break
 		}
-		unparked += res.unparked
 		for _, m := range res.byStage["a"] {
 			got = append(got, m.id)
 		}
-		if res.total == 0 && res.unparked == 0 {
-			break
-		}
-	}
-	if unparked != int64(parked) {
-		t.Errorf("unparked %d rows, %d were parked", unparked, parked)
 	}
 	if len(got) != n {
 		t.Fatalf("claimed %d of %d rows in %d claims", len(got), n, claims)
@@ -706,8 +725,52 @@ func TestControlsKeyLimitRemovedUnparks(t *testing.T) {
 		}
 		seen[id] = true
 	}
-	if left := s.count(t, `SELECT count(*) FROM workqueue WHERE status <> 'running' OR key_parked`); left != 0 {
-		t.Errorf("%d rows not claimed or still parked", left)
+	if left := s.count(t, `SELECT count(*) FROM workqueue WHERE stage = 'a' AND (status <> 'running' OR key_parked)`); left != 0 {
+		t.Errorf("%d rows of a not claimed or still parked", left)
+	}
+}
+
+// The daemon unparks on its own: rows parked by one run come back when the next starts
+// without the limit, and rows parked under a limit a reload removes come back after the
+// reload; every message is done, none is left parked.
+func TestControlsKeyLimitRemovedDaemon(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, keylogDDL)
+	conf := baseConf(s, "") + stageConf(t, "a", "", "PARALLELISM = 8\nQUEUE_LIMIT = 16")
+	limit := func() {
+		s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-a', 'KEY_LIMIT', '1')`)
+	}
+	unlimit := func() { s.exec(t, `DELETE FROM config WHERE section = 'stage-a' AND key = 'KEY_LIMIT'`) }
+	enqueue := func() {
+		s.exec(t, `INSERT INTO workqueue (stage, payload, concurrency_key)
+			SELECT 'a', '{"sleep_ms": 20}', 'hot' FROM generate_series(1, 400)`)
+	}
+	parked := func() int { return s.count(t, `SELECT count(*) FROM workqueue WHERE key_parked`) }
+	logged := func(d *daemon) int { return strings.Count(d.log.String(), "go back to pending") }
+
+	// Parked by one run, unparked by the next.
+	limit()
+	enqueue()
+	d := startDaemon(t, conf, "controls")
+	waitFor(t, 30*time.Second, "rows of the hot key parked", func() bool { return parked() > 0 })
+	d.cmd.Process.Signal(syscall.SIGKILL)
+	d.wait(10 * time.Second)
+	unlimit()
+	d = startDaemon(t, conf, "controls")
+	d.waitLog("go back to pending", 30*time.Second)
+	waitFor(t, 60*time.Second, "the first 400 done", func() bool { return countStatus(t, s, "done") == 400 })
+
+	// Parked under a limit that a reload then removes.
+	limit()
+	d.waitLog("stage graph reloaded", 30*time.Second)
+	enqueue()
+	waitFor(t, 30*time.Second, "rows of the hot key parked again", func() bool { return parked() > 0 })
+	unlimit()
+	waitFor(t, 30*time.Second, "a second unparking", func() bool { return logged(d) == 2 })
+	waitFor(t, 60*time.Second, "all 800 done", func() bool { return countStatus(t, s, "done") == 800 })
+	d.stop()
+	if n := parked(); n != 0 {
+		t.Errorf("%d rows left parked", n)
 	}
 }
 

@@ -19,19 +19,32 @@ type stageKey struct{ stage, key string }
 
 // keyLoad is what a claim needs to know about concurrency keys.
 type keyLoad struct {
-	limit map[string]int   // KEY_LIMIT per stage with one; refreshed before each claim
-	busy  map[stageKey]int // messages with a key in workers' queues; no zero entries
+	limit   map[string]int   // KEY_LIMIT per stage with one; set with each stage table
+	limited []string         // the stages in limit, for unparkSQL
+	busy    map[stageKey]int // messages with a key in workers' queues; no zero entries
+	// unpark: rows may be parked in stages without a limit (at start, from the previous
+	// run's configuration; after a reload that removed one), so the claim first runs
+	// unparkSQL, until a run of it finds less than a chunk.
+	unpark bool
 }
 
-// limitsOf refreshes the limits from the current stage table (a reload replaces it).
+// limitsOf takes the limits of a new stage table (at start and with every reload).
 func (k *keyLoad) limitsOf(pools map[string]*pool) {
 	if k.limit == nil {
+		k.unpark = true // the first table: the previous run may have parked rows
 		k.limit = map[string]int{}
 	}
+	for name := range k.limit {
+		if p := pools[name]; p == nil || p.cfg.KeyLimit == 0 {
+			k.unpark = true // a stage lost its limit: its parked rows must come back
+		}
+	}
 	clear(k.limit)
+	k.limited = k.limited[:0]
 	for name, p := range pools {
 		if p.cfg.KeyLimit > 0 {
 			k.limit[name] = p.cfg.KeyLimit
+			k.limited = append(k.limited, name)
 		}
 	}
 }

@@ -25,6 +25,7 @@ func (c *coordinator) setStages(stages map[string]*StageConfig) {
 		}
 		c.pools[name] = p
 	}
+	c.keys.limitsOf(c.pools)
 	c.logPaused(old)
 }
 
