@@ -147,7 +147,11 @@ func (b *bench) targets(w *strings.Builder) {
 			cheap = cheap && e.Read <= 2*int64(e.Cap)
 			reads = append(reads, groupThousands(fmt.Sprint(e.Read))+" rows in "+execTime(e.Plan))
 		}
-		p("| W5: the claim stays on the partial index | %d plans, see below | %s |\n", len(r.explain), verdict(ok))
+		plans := fmt.Sprintf("%d plans, see below", len(r.explain))
+		if r.explainErr != "" {
+			plans = "EXPLAIN failed: " + r.explainErr // say why there is no plan, not just "0 plans"
+		}
+		p("| W5: the claim stays on the partial index | %s | %s |\n", plans, verdict(ok))
 		p("| (not a target of the issue) a claim reads about what it takes | reading to claim up to %d: %s | %s |\n",
 			b.pepsiWorkers*b.pepsiQueueLimit, strings.Join(reads, ", "), verdict(cheap))
 	}

@@ -798,7 +798,7 @@ func (b *bench) explainClaim(ctx context.Context, s *system) {
 				return err
 			}
 			e := explainPlan{Title: c.title, Cap: capacity}
-			lines, err := queryLines(ctx, tx, fmt.Sprintf("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE bench_claim('{s1}', '{%d}', '{0}', '{}', '{}', '{}')", capacity))
+			lines, err := queryLines(ctx, tx, fmt.Sprintf("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE bench_claim('{s1}', '{%d}')", capacity))
 			if err != nil {
 				e.TimedOut = fmt.Sprintf("EXPLAIN ANALYZE stopped after %s (%v)", b.sz.explainBudget, err)
 				if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+sp); err != nil {
@@ -812,7 +812,7 @@ func (b *bench) explainClaim(ctx context.Context, s *system) {
 				if _, err := tx.Exec(ctx, "SET LOCAL plan_cache_mode = "+c.mode); err != nil {
 					return err
 				}
-				if lines, err = queryLines(ctx, tx, fmt.Sprintf("EXPLAIN EXECUTE bench_claim('{s1}', '{%d}', '{0}', '{}', '{}', '{}')", capacity)); err != nil {
+				if lines, err = queryLines(ctx, tx, fmt.Sprintf("EXPLAIN EXECUTE bench_claim('{s1}', '{%d}')", capacity)); err != nil {
 					return err
 				}
 			}
