@@ -4,6 +4,8 @@ package main
 import (
 	"fmt"
 	"math"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -465,6 +467,13 @@ func (b *bench) report(chartPath string) string {
 		}
 	}
 
+	// The controls' figures come from their own program (`pipeline controls`, which compares
+	// two builds); the report carries its last committed output so that regenerating this
+	// file keeps them.
+	if ctl, err := os.ReadFile(filepath.Join(b.root, "bench", "controls-results.md")); err == nil {
+		p("%s\n", demoteHeadings(string(ctl)))
+	}
+
 	// Settings.
 	p("## Settings\n\n")
 	p("- **PostgreSQL**: a private cluster started by `scripts/pg-private` (initdb defaults; `fsync = on`, ")
@@ -797,4 +806,20 @@ func execTime(plan string) string {
 		return m[1] + " ms"
 	}
 	return "?"
+}
+
+// demoteHeadings puts a Markdown document's headings one level down, outside code blocks,
+// so that it reads as one section of the report.
+func demoteHeadings(md string) string {
+	lines := strings.Split(strings.TrimRight(md, "\n"), "\n")
+	code := false
+	for i, l := range lines {
+		if strings.HasPrefix(l, "```") {
+			code = !code
+		}
+		if !code && strings.HasPrefix(l, "#") {
+			lines[i] = "#" + l
+		}
+	}
+	return strings.Join(lines, "\n") + "\n"
 }
