@@ -40,6 +40,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"os"
 	"os/exec"
@@ -67,6 +68,9 @@ type options struct {
 }
 
 func main() {
+	if addr := os.Getenv(floorEnv); addr != "" {
+		os.Exit(serveFloor(addr))
+	}
 	os.Exit(run())
 }
 
@@ -168,6 +172,11 @@ func bench(o options) error {
 		return err
 	}
 	defer ref.stop()
+	floor, err := startFloor(o.serverCPUs)
+	if err != nil {
+		return err
+	}
+	defer floor.stop() //nolint:errcheck // killed by SIGTERM: its status says nothing
 
 	fmt.Printf("servers pinned to CPUs %q, generator to %q; %v or %d cycles per measurement; median of %d alternating rounds\n",
 		o.serverCPUs, o.clientCPUs, o.duration, o.maxCycles, o.rounds)
@@ -196,6 +205,16 @@ func bench(o options) error {
 					}
 				}
 			}
+			var fs []result // the floor, churn only: a round after each pair
+			if mode == "churn" {
+				for round := 0; round < o.rounds; round++ {
+					f, err := measureServer(floor, mode, n, o.duration, o.maxCycles)
+					if err != nil {
+						return fmt.Errorf("floor %s %d: %w", mode, n, err)
+					}
+					fs = append(fs, f)
+				}
+			}
 			a, b := median(as), median(bs)
 			fmt.Printf(row, mode, strconv.Itoa(n),
 				fmt.Sprintf("%.0f", a.rate()), fmt.Sprintf("%.0f", b.rate()), fmt.Sprintf("%.2f", a.rate()/b.rate()),
@@ -206,9 +225,16 @@ func bench(o options) error {
 				churn = append(churn, fmt.Sprintf("churn %d, where a cycle's time goes (p50/p99/max of the median round):", n),
 					"  pepsi  "+breakdown(a), "  ref    "+breakdown(b),
 					"  pepsi  kernel: "+a.net.String(), "  ref    kernel: "+b.net.String(),
-					fmt.Sprintf("  CPU used / elapsed: pepsi server %.0f%%, its generator %.0f%%; poolcounterd %.0f%%, its generator %.0f%%",
+					"  steal (the hypervisor's, per CPU, during the median round): pepsi "+stealString(a.steal)+"; ref "+stealString(b.steal))
+				f := median(fs)
+				churn = append(churn,
+					fmt.Sprintf("  floor  (a server with no lock table: the generator, the kernel and Go's runtime alone) %.0f c/s, p50 %s p99 %s max %s",
+						f.rate(), fmtDur(f.pct(50)), fmtDur(f.pct(99)), fmtDur(f.pct(100))),
+					"  floor  "+breakdown(f),
+					fmt.Sprintf("  CPU used / elapsed: pepsi server %.0f%%, its generator %.0f%%; poolcounterd %.0f%%, its generator %.0f%%; floor %.0f%%, its generator %.0f%%",
 						100*a.serverCPU.Seconds()/a.elapsed.Seconds(), 100*a.selfCPU.Seconds()/a.elapsed.Seconds(),
-						100*b.serverCPU.Seconds()/b.elapsed.Seconds(), 100*b.selfCPU.Seconds()/b.elapsed.Seconds()))
+						100*b.serverCPU.Seconds()/b.elapsed.Seconds(), 100*b.selfCPU.Seconds()/b.elapsed.Seconds(),
+						100*f.serverCPU.Seconds()/f.elapsed.Seconds(), 100*f.selfCPU.Seconds()/f.elapsed.Seconds()))
 			}
 		}
 	}
@@ -376,6 +402,10 @@ type result struct {
 	// serverCPU and selfCPU: CPU time used by the server process and by this generator during
 	// the measurement: near elapsed × CPUs given, that side was the bottleneck.
 	serverCPU, selfCPU time.Duration
+	// steal: time the hypervisor ran something else on each CPU during the measurement
+	// (/proc/stat), which no process here can see: a stall of every client at once with
+	// steal beside it is the host's, not the server's.
+	steal map[string]time.Duration
 }
 
 func (r result) rate() float64 { return float64(r.cycles) / r.elapsed.Seconds() }
@@ -396,6 +426,38 @@ func pct(lat []time.Duration, p int) time.Duration {
 // a shared box add to them.
 type netCounters struct {
 	overflows, drops, cookies, reqQDrops, synRetrans int64
+}
+
+// readSteal returns each CPU's steal time so far ("cpu0" ..., from /proc/stat).
+func readSteal() map[string]time.Duration {
+	m := map[string]time.Duration{}
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return m
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		f := strings.Fields(l)
+		if len(f) < 9 || !strings.HasPrefix(f[0], "cpu") || f[0] == "cpu" {
+			continue
+		}
+		v, _ := strconv.ParseInt(f[8], 10, 64)         // user nice system idle iowait irq softirq steal
+		m[f[0]] = time.Duration(v) * time.Second / 100 // USER_HZ
+	}
+	return m
+}
+
+// stealString formats steal time per CPU, those with none left out.
+func stealString(m map[string]time.Duration) string {
+	var parts []string
+	for _, cpu := range slices.Sorted(maps.Keys(m)) {
+		if m[cpu] > 0 {
+			parts = append(parts, fmt.Sprintf("%s %s", cpu, fmtDur(m[cpu])))
+		}
+	}
+	if len(parts) == 0 {
+		return "none"
+	}
+	return strings.Join(parts, ", ")
 }
 
 func readNetCounters() netCounters {
@@ -617,11 +679,14 @@ func measure(addr, mode string, n int, d time.Duration, maxCycles int64) (result
 			lats[i], phases[i] = lat, ph
 		}(i)
 	}
-	before := readNetCounters()
+	before, steal0 := readNetCounters(), readSteal()
 	t0 := time.Now()
 	close(start)
 	wg.Wait()
-	r := result{elapsed: time.Since(t0), errors: errs.Load(), net: readNetCounters().sub(before)}
+	r := result{elapsed: time.Since(t0), errors: errs.Load(), net: readNetCounters().sub(before), steal: readSteal()}
+	for cpu, v := range r.steal {
+		r.steal[cpu] = v - steal0[cpu]
+	}
 	for i, l := range lats {
 		r.lat = append(r.lat, l...)
 		r.connect = append(r.connect, phases[i][0]...)
