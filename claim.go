@@ -274,8 +274,8 @@ WITH unparking AS (
 SELECT count(*) FROM unparking`
 
 // parkChunk bounds the rows one claim parks (claimKeyedSQL's LIMIT 2000, per key and in all)
-// and one unparkSQL puts back (the statements stay literals, which the benchmark reads out of this file): parking costs
-// about 50 µs a row (each is a new row version in three indexes, and the fan-in statement
+// and one unparkSQL puts back (the statements stay literals, which the benchmark reads out
+// of this file): parking costs about 50 µs a row (each is a new row version in three indexes, and the fan-in statement
 // trigger reads it), so a backlog of 100,000 parked at once would hold the claim for seconds,
 // past dbStatementBudget on a loaded machine. Until a key's backlog is parked, the walk skips
 // its rows by a filter on the index's own entries (no heap access).
@@ -307,10 +307,7 @@ type claimer struct {
 // claim takes up to want[stage] rows per stage, at most keys' limit per concurrency key.
 func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]int, keys *keyLoad) (claimResult, error) {
 	res := claimResult{byStage: map[string][]*message{}}
-	if cl.conn != conn {
-		cl.close() // prepared on a connection that is gone
-		cl.conn = conn
-	}
+	cl.use(conn)
 	cl.names, cl.caps, cl.limits = cl.names[:0], cl.caps[:0], cl.limits[:0]
 	anyLimit := false
 	for name, n := range want {
@@ -326,12 +323,11 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 	if anyLimit {
 		rows, err = cl.queryKeyed(ctx, keys)
 	} else {
-		if cl.stmt == nil {
-			if cl.stmt, err = conn.PrepareContext(ctx, claimSQL); err != nil {
-				return res, fmt.Errorf("prepare claim: %w", err)
-			}
+		var st *sql.Stmt
+		if st, err = cl.prepared(ctx, &cl.stmt, claimSQL); err != nil {
+			return res, fmt.Errorf("prepare claim: %w", err)
 		}
-		rows, err = cl.stmt.QueryContext(ctx, pq.Array(cl.names), pq.Array(cl.caps))
+		rows, err = st.QueryContext(ctx, pq.Array(cl.names), pq.Array(cl.caps))
 	}
 	if err != nil {
 		return res, fmt.Errorf("claim: %w", err)
@@ -380,12 +376,9 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 
 // queryKeyed runs claimKeyedSQL with cl.names, caps and limits and what keys has in flight.
 func (cl *claimer) queryKeyed(ctx context.Context, keys *keyLoad) (*sql.Rows, error) {
-	if cl.keyed == nil {
-		stmt, err := cl.conn.PrepareContext(ctx, claimKeyedSQL)
-		if err != nil {
-			return nil, fmt.Errorf("prepare: %w", err)
-		}
-		cl.keyed = stmt
+	st, err := cl.prepared(ctx, &cl.keyed, claimKeyedSQL)
+	if err != nil {
+		return nil, fmt.Errorf("prepare: %w", err)
 	}
 	cl.busyStages, cl.busyKs, cl.busyNs = cl.busyStages[:0], cl.busyKs[:0], cl.busyNs[:0]
 	for k, n := range keys.busy {
@@ -393,31 +386,48 @@ func (cl *claimer) queryKeyed(ctx context.Context, keys *keyLoad) (*sql.Rows, er
 		cl.busyKs = append(cl.busyKs, k.key)
 		cl.busyNs = append(cl.busyNs, int64(n))
 	}
-	return cl.keyed.QueryContext(ctx, pq.Array(cl.names), pq.Array(cl.caps), pq.Array(cl.limits),
+	return st.QueryContext(ctx, pq.Array(cl.names), pq.Array(cl.caps), pq.Array(cl.limits),
 		pq.Array(cl.busyStages), pq.Array(cl.busyKs), pq.Array(cl.busyNs))
 }
 
-// unpark runs unparkSQL for the stages without a limit: limited lists those with one.
-func (cl *claimer) unpark(ctx context.Context, conn *sql.Conn, limited []string) (int64, error) {
+// unpark runs unparkSQL for the stages without a limit: limit holds those with one.
+func (cl *claimer) unpark(ctx context.Context, conn *sql.Conn, limit map[string]int) (int64, error) {
+	cl.use(conn)
+	st, err := cl.prepared(ctx, &cl.unparkSt, unparkSQL)
+	if err != nil {
+		return 0, fmt.Errorf("prepare unpark: %w", err)
+	}
+	// Not nil when empty: pq.Array sends a nil slice as NULL, and <> ALL (NULL) is never true.
+	limited := make([]string, 0, len(limit))
+	for name := range limit {
+		limited = append(limited, name)
+	}
+	var n int64
+	if err := st.QueryRowContext(ctx, pq.Array(limited)).Scan(&n); err != nil {
+		return 0, fmt.Errorf("unpark: %w", err)
+	}
+	return n, nil
+}
+
+// use makes conn the connection the statements are prepared on; those prepared on another
+// (one that is gone) are closed.
+func (cl *claimer) use(conn *sql.Conn) {
 	if cl.conn != conn {
 		cl.close()
 		cl.conn = conn
 	}
-	if cl.unparkSt == nil {
-		stmt, err := conn.PrepareContext(ctx, unparkSQL)
+}
+
+// prepared returns *st, preparing query on the claimer's connection on first use.
+func (cl *claimer) prepared(ctx context.Context, st **sql.Stmt, query string) (*sql.Stmt, error) {
+	if *st == nil {
+		prepared, err := cl.conn.PrepareContext(ctx, query)
 		if err != nil {
-			return 0, fmt.Errorf("prepare unpark: %w", err)
+			return nil, err
 		}
-		cl.unparkSt = stmt
+		*st = prepared
 	}
-	if limited == nil {
-		limited = []string{} // pq.Array sends a nil slice as NULL, and <> ALL (NULL) is never true
-	}
-	var n int64
-	if err := cl.unparkSt.QueryRowContext(ctx, pq.Array(limited)).Scan(&n); err != nil {
-		return 0, fmt.Errorf("unpark: %w", err)
-	}
-	return n, nil
+	return *st, nil
 }
 
 func (cl *claimer) close() {
@@ -447,11 +457,11 @@ func (c *coordinator) claim() {
 	}
 	ctx, cancel := c.budget()
 	if c.keys.unpark {
-		n, err := c.claimer.unpark(ctx, c.inst.conn, c.keys.limited)
+		n, err := c.claimer.unpark(ctx, c.inst.conn, c.keys.limit)
 		if err != nil {
 			cancel()
 			c.claimWanted = true
-			c.dbTrouble("claim", err)
+			c.dbTrouble("unpark", err)
 			return
 		}
 		if n > 0 {

@@ -680,7 +680,7 @@ func TestControlsKeyLimitRemovedUnparks(t *testing.T) {
 	// a's KEY_LIMIT removed, b keeps its own: a's rows come back in chunks, b's stay.
 	unparked, runs := int64(0), 0
 	for {
-		got, err := cl.unpark(ctx, conn, []string{"b"})
+		got, err := cl.unpark(ctx, conn, map[string]int{"b": 1})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -19,9 +19,8 @@ type stageKey struct{ stage, key string }
 
 // keyLoad is what a claim needs to know about concurrency keys.
 type keyLoad struct {
-	limit   map[string]int   // KEY_LIMIT per stage with one; set with each stage table
-	limited []string         // the stages in limit, for unparkSQL
-	busy    map[stageKey]int // messages with a key in workers' queues; no zero entries
+	limit map[string]int   // KEY_LIMIT per stage with one; set with each stage table
+	busy  map[stageKey]int // messages with a key in workers' queues; no zero entries
 	// unpark: rows may be parked in stages without a limit (at start, from the previous
 	// run's configuration; after a reload that removed one), so the claim first runs
 	// unparkSQL, until a run of it finds less than a chunk.
@@ -40,11 +39,9 @@ func (k *keyLoad) limitsOf(pools map[string]*pool) {
 		}
 	}
 	clear(k.limit)
-	k.limited = k.limited[:0]
 	for name, p := range pools {
 		if p.cfg.KeyLimit > 0 {
 			k.limit[name] = p.cfg.KeyLimit
-			k.limited = append(k.limited, name)
 		}
 	}
 }
