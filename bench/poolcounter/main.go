@@ -187,7 +187,7 @@ func bench(o options) error {
 		for _, n := range o.conns {
 			// Alternate which server goes first, so that load from outside the benchmark
 			// (other processes on a shared box) falls on both alike; keep the median round.
-			var as, bs []result
+			var as, bs, fs []result // fs: the floor, churn only, a round after each pair
 			for round := 0; round < o.rounds; round++ {
 				for _, first := range []bool{round%2 == 0, round%2 != 0} {
 					if first {
@@ -204,10 +204,7 @@ func bench(o options) error {
 						bs = append(bs, b)
 					}
 				}
-			}
-			var fs []result // the floor, churn only: a round after each pair
-			if mode == "churn" {
-				for round := 0; round < o.rounds; round++ {
+				if mode == "churn" {
 					f, err := measureServer(floor, mode, n, o.duration, o.maxCycles)
 					if err != nil {
 						return fmt.Errorf("floor %s %d: %w", mode, n, err)
