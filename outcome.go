@@ -5,6 +5,7 @@ package main
 
 import (
 	"fmt"
+	"slices"
 	"time"
 )
 
@@ -260,6 +261,11 @@ func (c *coordinator) writeOutcomes() bool {
 		}
 		c.failures = c.failures[:0]
 	}
+	// A forgotten message's row is no longer its claim (reconcile.go), and its token may be
+	// handed out again: the claim commits asynchronously (claim.go), so a server crash can lose
+	// the sequence's advance with the claim, and the next claim after the restart then reuses
+	// the lost claim's token. Its reset, guarded by that token, could hit the new claim.
+	c.resets = slices.DeleteFunc(c.resets, func(m *message) bool { return m.forgotten })
 	if len(c.resets) > 0 {
 		ctx, cancel := c.budget()
 		n, err := writeResets(ctx, c.inst.conn, c.resets)
