@@ -40,7 +40,7 @@ const (
 )
 
 // Raw loop defaults: goroutines, each with its own connection, and the claim size: 4 × 512 rows
-// in flight, as many as pepsi's 8 workers × QUEUE_LIMIT 256. (More goroutines with smaller
+// in flight, as many as pepsi's 4 workers × QUEUE_LIMIT 512. (More goroutines with smaller
 // claims did worse here: every claimer walks the same head of the pending index.)
 const (
 	rawWorkersDefault = 4
@@ -196,7 +196,8 @@ func runRiver(ctx context.Context, dsn string, tuned bool, st *stamps) error {
 // ids by primary key (the coalesce keeps it off the partial index). Outcome: the SDK's set-based UPDATE of a
 // batch's outcomes (stage/stage.go, outcomeStatement: unnest of the ids and their new stage,
 // status and state, under the same guard), one statement per claim: a raw batched UPDATE loop,
-// the floor of what pepsi's SQL costs on the machine.
+// the floor of what pepsi's SQL costs on the machine. Like pepsi's, the claim commits
+// asynchronously (its own transaction only; claim.go says why that is safe).
 const (
 	rawClaimSQL = `UPDATE workqueue q
    SET status = 'running', claim = (SELECT nextval('workqueue_claim_seq')), claimed_at = now()
@@ -205,6 +206,7 @@ const (
          WHERE status = 'pending' AND NOT key_parked AND stage = ANY (ARRAY[$1::text])
          ORDER BY stage, priority, workqueue_id LIMIT $2 FOR UPDATE SKIP LOCKED))
    AND coalesce(q.status, '') = 'pending'
+   AND (SELECT set_config('synchronous_commit', 'off', true)) = 'off'
 RETURNING q.workqueue_id`
 	rawOutcomesSQL = `UPDATE workqueue AS w SET stage = coalesce(v.stage, w.stage), status = v.status,
        attempts = CASE WHEN v.stage IS NULL THEN w.attempts ELSE 0 END, state = v.state

@@ -638,8 +638,8 @@ func (p *sutProc) readStamps(ctx context.Context) (map[int64]int64, error) {
 // worker processes in all, like River's and the raw loop's fixed concurrency: a pipeline of
 // several stages divides it among them (stageParallelism).
 const (
-	pepsiWorkers     = 8
-	pepsiQueueLimit  = 256
+	pepsiWorkers     = 4
+	pepsiQueueLimit  = 512
 	pepsiMaxMessages = 1000000
 )
 
@@ -675,7 +675,7 @@ func (b *bench) writePepsiConf(s *system, o startOpts) (string, error) {
 }
 
 // stageParallelism divides a budget of workers among the stages of one run, the first stages
-// taking the remainder (8 over 3 stages: 3, 3, 2), so that pepsi runs as many worker processes
+// taking the remainder (4 over 3 stages: 2, 1, 1; 8: 3, 3, 2), so that pepsi runs as many worker processes
 // and has as many messages in flight in W4 as in W1, as River and the raw loop keep theirs.
 // Fused stages (W4f) are run inside the first stage's workers and get no messages of their
 // own: the first stage takes the whole budget and they keep one worker each, never started.

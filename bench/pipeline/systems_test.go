@@ -18,6 +18,7 @@ func TestStageParallelism(t *testing.T) {
 		{8, startOpts{stages: 1}, []int{8}},
 		{8, startOpts{stages: 3}, []int{3, 3, 2}},
 		{9, startOpts{stages: 3}, []int{3, 3, 3}},
+		{4, startOpts{stages: 3}, []int{2, 1, 1}},
 		{2, startOpts{stages: 3}, []int{1, 1, 1}}, // a stage needs one worker to run at all
 		{8, startOpts{stages: 3, fuse: true}, []int{8, 1, 1}},
 		{8, startOpts{stages: 3, wide: true}, []int{8, 8, 8}},

@@ -549,6 +549,18 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 	defer p.stop()
 	total := int(dur.Seconds() * float64(rate))
 	interval := time.Second / time.Duration(rate)
+	if err := b.warmLatency(ctx, s, rate, interval, stages, func(keys []int64) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, k := range keys {
+			if _, ok := doneAt[k]; !ok {
+				return false
+			}
+		}
+		return true
+	}); err != nil {
+		return fail(err)
+	}
 	enq := make(map[int64]time.Time, total)
 	s0 := b.snap(ctx, p)
 	begin := time.Now()
@@ -624,6 +636,48 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 		l.Err = fmt.Sprintf("%d of %d messages not done within %s of the last enqueue", missing, total, b.sz.latencyLinger)
 	}
 	return l
+}
+
+// warmLatencyMsg numbers the warm-up's messages (River, Graphile Worker and PgQ key a message
+// by its number): far above any measured message's.
+const warmLatencyMsg = 1 << 40
+
+// warmLatency sends one second of messages at the run's rate and waits until done says they
+// have all finished, before anything is measured. The first messages after a start pay for
+// what a running system has already done: pepsi starts its first worker on demand (its first
+// message waited 36-50 ms for it, and at 200/s the next ten behind it), Node compiles the hot
+// path, every process fills its caches. The same warm-up for every system; its messages are in
+// no figure, its CPU in no count.
+func (b *bench) warmLatency(ctx context.Context, s *system, rate int, interval time.Duration, stages int,
+	done func(keys []int64) bool) error {
+	keys := make([]int64, 0, rate)
+	begin := time.Now()
+	for i := 0; i < rate; i++ {
+		if d := time.Until(begin.Add(time.Duration(i) * interval)); d > 0 {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(d):
+			}
+		}
+		key, err := s.enqueueOne(ctx, warmLatencyMsg+int64(i), stages)
+		if err != nil {
+			return fmt.Errorf("warm-up: enqueue: %w", err)
+		}
+		keys = append(keys, key)
+	}
+	limit := time.Now().Add(b.sz.latencyLinger)
+	for !done(keys) {
+		if time.Now().After(limit) {
+			return fmt.Errorf("warm-up: its %d messages not done within %s", len(keys), b.sz.latencyLinger)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	return nil
 }
 
 // writeLatencyCSV writes each message's enqueue, start and done times (Unix ns; 0: none) to
