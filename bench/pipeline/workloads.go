@@ -583,7 +583,12 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 	linger := time.Now().Add(b.sz.latencyLinger)
 	for time.Now().Before(linger) {
 		mu.Lock()
-		got := len(doneAt)
+		got := 0 // of the measured messages: doneAt also has the warm-up's
+		for k := range enq {
+			if _, ok := doneAt[k]; ok {
+				got++
+			}
+		}
 		mu.Unlock()
 		if got >= total {
 			break
