@@ -549,7 +549,9 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 	defer p.stop()
 	total := int(dur.Seconds() * float64(rate))
 	interval := time.Second / time.Duration(rate)
-	if err := b.warmLatency(ctx, s, rate, interval, stages, func(keys []int64) bool {
+	// allDone reports whether every message of keys has finished (doneAt has the warm-up's
+	// messages and the measured ones).
+	allDone := func(keys []int64) bool {
 		mu.Lock()
 		defer mu.Unlock()
 		for _, k := range keys {
@@ -558,46 +560,32 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 			}
 		}
 		return true
-	}); err != nil {
-		return fail(err)
+	}
+	// Warm-up: the first messages after a start pay for what a running system has already
+	// done: pepsi starts its first worker on demand (its first message waited 36-50 ms for it,
+	// and at 200/s the next ten behind it), Node compiles the hot path, every process fills its
+	// caches. One second at the run's rate, waited for, for every system alike; its messages
+	// are in no figure, its CPU in no count.
+	warm, err := sendOpenLoop(ctx, s, rate, interval, warmLatencyMsg, stages, nil)
+	if err != nil {
+		return fail(fmt.Errorf("warm-up: %w", err))
+	}
+	if err := waitDone(ctx, warm, allDone, b.sz.latencyLinger); err != nil {
+		return fail(fmt.Errorf("warm-up: %w", err))
 	}
 	enq := make(map[int64]time.Time, total)
 	s0 := b.snap(ctx, p)
-	begin := time.Now()
-	// Open loop: message i is sent at begin + i*interval, whatever happened before.
-	for i := 0; i < total; i++ {
-		if d := time.Until(begin.Add(time.Duration(i) * interval)); d > 0 {
-			select {
-			case <-ctx.Done():
-				return fail(ctx.Err())
-			case <-time.After(d):
-			}
-		}
-		key, err := s.enqueueOne(ctx, int64(i+1), stages)
-		if err != nil {
-			return fail(fmt.Errorf("enqueue: %w", err))
-		}
+	sent, err := sendOpenLoop(ctx, s, total, interval, 1, stages, func(key int64) {
 		enq[key] = time.Now() // the INSERT has committed: the message exists from here
+	})
+	if err != nil {
+		return fail(err)
 	}
 	l.Sent = total
-	linger := time.Now().Add(b.sz.latencyLinger)
-	for time.Now().Before(linger) {
-		mu.Lock()
-		got := 0 // of the measured messages: doneAt also has the warm-up's
-		for k := range enq {
-			if _, ok := doneAt[k]; ok {
-				got++
-			}
-		}
-		mu.Unlock()
-		if got >= total {
-			break
-		}
-		select {
-		case <-ctx.Done():
-			return fail(ctx.Err())
-		case <-time.After(10 * time.Millisecond):
-		}
+	// Past the linger the run goes on: the messages still missing are counted below.
+	_ = waitDone(ctx, sent, allDone, b.sz.latencyLinger)
+	if ctx.Err() != nil {
+		return fail(ctx.Err())
 	}
 	s1 := b.snap(ctx, p)
 	var m measurement
@@ -647,34 +635,39 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 // by its number): far above any measured message's.
 const warmLatencyMsg = 1 << 40
 
-// warmLatency sends one second of messages at the run's rate and waits until done says they
-// have all finished, before anything is measured. The first messages after a start pay for
-// what a running system has already done: pepsi starts its first worker on demand (its first
-// message waited 36-50 ms for it, and at 200/s the next ten behind it), Node compiles the hot
-// path, every process fills its caches. The same warm-up for every system; its messages are in
-// no figure, its CPU in no count.
-func (b *bench) warmLatency(ctx context.Context, s *system, rate int, interval time.Duration, stages int,
-	done func(keys []int64) bool) error {
-	keys := make([]int64, 0, rate)
+// sendOpenLoop enqueues n messages numbered from first, message i at its start + i*interval
+// whatever happened before (an open loop), and returns their keys; sent, if not nil, is
+// called with each key once its INSERT has committed.
+func sendOpenLoop(ctx context.Context, s *system, n int, interval time.Duration, first int64, stages int,
+	sent func(key int64)) ([]int64, error) {
+	keys := make([]int64, 0, n)
 	begin := time.Now()
-	for i := 0; i < rate; i++ {
+	for i := 0; i < n; i++ {
 		if d := time.Until(begin.Add(time.Duration(i) * interval)); d > 0 {
 			select {
 			case <-ctx.Done():
-				return ctx.Err()
+				return keys, ctx.Err()
 			case <-time.After(d):
 			}
 		}
-		key, err := s.enqueueOne(ctx, warmLatencyMsg+int64(i), stages)
+		key, err := s.enqueueOne(ctx, first+int64(i), stages)
 		if err != nil {
-			return fmt.Errorf("warm-up: enqueue: %w", err)
+			return keys, fmt.Errorf("enqueue: %w", err)
+		}
+		if sent != nil {
+			sent(key)
 		}
 		keys = append(keys, key)
 	}
-	limit := time.Now().Add(b.sz.latencyLinger)
-	for !done(keys) {
-		if time.Now().After(limit) {
-			return fmt.Errorf("warm-up: its %d messages not done within %s", len(keys), b.sz.latencyLinger)
+	return keys, nil
+}
+
+// waitDone polls allDone for keys every 10 ms, for at most limit.
+func waitDone(ctx context.Context, keys []int64, allDone func([]int64) bool, limit time.Duration) error {
+	deadline := time.Now().Add(limit)
+	for !allDone(keys) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("not all of %d messages done within %s", len(keys), limit)
 		}
 		select {
 		case <-ctx.Done():
