@@ -290,10 +290,11 @@ SELECT count(*) FROM unparking`
 
 // parkChunk bounds the rows one claim parks (claimKeyedSQL's LIMIT 2000, per key and in all)
 // and one unparkSQL puts back (the statements stay literals, which the benchmark reads out
-// of this file): parking costs about 50 µs a row (each is a new row version in three indexes, and the fan-in statement
-// trigger reads it), so a backlog of 100,000 parked at once would hold the claim for seconds,
-// past dbStatementBudget on a loaded machine. Until a key's backlog is parked, the walk skips
-// its rows by a filter on the index's own entries (no heap access).
+// of this file): parking costs about 50 µs a row (each is a new row version in three
+// indexes, and the fan-in statement trigger reads it), so a backlog of 100,000 parked at once
+// would hold the claim for seconds, past dbStatementBudget on a loaded machine. Until a key's
+// backlog is parked, the walk skips its rows by a filter on the index's own entries (no heap
+// access).
 const parkChunk = 2000
 
 // claimResult is what one claim returned.

@@ -29,11 +29,12 @@ import (
 	"github.com/lib/pq"
 )
 
-// pgPair is a primary and its synchronous standby, two private clusters of one test. The
-// roles swap at each failover: node[primary] is the primary.
+// pgPair is a primary and its synchronous standby, two private clusters of one test (or the
+// primary alone: nodes = 1). The roles swap at each failover: node[primary] is the primary.
 type pgPair struct {
 	t       testing.TB
 	script  string
+	nodes   int
 	dirs    [2]string
 	ports   [2]string
 	primary int
@@ -46,22 +47,31 @@ func newPGPair(t *testing.T) *pgPair {
 	if testing.Short() {
 		t.Skip("starts two PostgreSQL clusters")
 	}
-	root, err := os.MkdirTemp("", "pepsi-test-pair-")
+	return newPGNodes(t, 2, "pepsi-test-pair-")
+}
+
+// newPGNodes starts a primary and, with nodes = 2, its synchronous standby, in a temporary
+// directory named from prefix; they are stopped and removed when t ends.
+func newPGNodes(t *testing.T, nodes int, prefix string) *pgPair {
+	t.Helper()
+	root, err := os.MkdirTemp("", prefix)
 	if err != nil {
 		t.Fatal(err)
 	}
 	os.Chmod(root, 0o755) // the clusters run as another account when the tests run as root
-	p := &pgPair{t: t, script: filepath.Join(testPG.Root(), "scripts/pg-private")}
+	p := &pgPair{t: t, script: filepath.Join(testPG.Root(), "scripts/pg-private"), nodes: nodes}
 	p.dirs = [2]string{filepath.Join(root, "n0"), filepath.Join(root, "n1")}
 	t.Cleanup(func() {
-		for _, d := range p.dirs {
+		for _, d := range p.dirs[:p.nodes] {
 			exec.Command(p.script, "stop", d).Run() // best effort: the directory goes anyway
 		}
 		os.RemoveAll(root)
 	})
 	p.run("start", p.dirs[0])
-	p.run("standby", p.dirs[1], p.dirs[0])
-	for i, d := range p.dirs {
+	if nodes == 2 {
+		p.run("standby", p.dirs[1], p.dirs[0])
+	}
+	for i, d := range p.dirs[:nodes] {
 		b, err := os.ReadFile(filepath.Join(d, "port"))
 		if err != nil {
 			t.Fatal(err)
@@ -114,14 +124,16 @@ func (p *pgPair) schema(t *testing.T) *testSchema {
 		t.Fatal(err)
 	}
 	opts := fmt.Sprintf("options='-c search_path=%s'", name)
-	db, err := sql.Open("postgres", p.dsn([]int{0, 1}, "target_session_attrs=read-write "+opts))
+	order := []int{0, 1}[:p.nodes]
+	dsn := p.dsn(order, "target_session_attrs=read-write "+opts)
+	db, err := sql.Open("postgres", dsn)
 	if err != nil {
 		t.Fatal(err)
 	}
 	db.SetMaxIdleConns(0)
 	t.Cleanup(func() { db.Close() })
 	pgtest.Exec(t, db, ddl)
-	return &testSchema{Name: name, DSN: p.dsn([]int{0, 1}, "target_session_attrs=read-write "+opts), DB: db}
+	return &testSchema{Name: name, DSN: dsn, DB: db}
 }
 
 // killPrimary stops the primary at once, as a crash would.

@@ -263,8 +263,9 @@ func (c *coordinator) writeOutcomes() bool {
 	}
 	// A forgotten message's row is no longer its claim (reconcile.go), and its token may be
 	// handed out again: the claim commits asynchronously (claim.go), so a server crash can lose
-	// the sequence's advance with the claim, and the next claim after the restart then reuses
-	// the lost claim's token. Its reset, guarded by that token, could hit the new claim.
+	// the sequence's advance with the claim, and the next claim after the restart reuses the
+	// lost claim's token. Its reset, guarded by that token, could hit the new claim; like its
+	// failure (fail), it is not written.
 	c.resets = slices.DeleteFunc(c.resets, func(m *message) bool { return m.forgotten })
 	if len(c.resets) > 0 {
 		ctx, cancel := c.budget()
