@@ -246,6 +246,7 @@ func (s *server) runMessage(ctx context.Context, tx *sql.Tx, index int, row load
 		// would overwrite it. Fail the message and let an operator look.
 		return m, nil, fmt.Sprintf("message %d: %v", row.id, err), nil
 	}
+	m.stateEmpty = string(row.state) == "{}"
 	s.sess.setLink(spLink{name: "pepsi_msg_" + strconv.Itoa(index)})
 	return s.runLink(ctx, tx, m)
 }
@@ -329,7 +330,7 @@ func (s *server) callHandler(ctx context.Context, m *Message) (err error) {
 // the round trip unchanged.
 func decodeState(raw []byte) (map[string]any, error) {
 	state := map[string]any{}
-	if len(raw) == 0 {
+	if len(raw) == 0 || string(raw) == "{}" { // the column's default, and most rows': no decoder
 		return state, nil
 	}
 	dec := json.NewDecoder(bytes.NewReader(raw))

@@ -52,7 +52,9 @@ type Message struct {
 	// State is the row's state jsonb, decoded (numbers as json.Number). The handler changes it
 	// freely; the outcome writes it back, in the same UPDATE. Changes made after the outcome
 	// was chosen are not written. The dispatcher owns the key "dispatch_error". At a fused
-	// stage it is the state that the advance leading there chose.
+	// stage it is the state that the advance leading there chose. A state that was the empty
+	// object and is still empty when the outcome is chosen is not written (the column keeps
+	// what it holds), which spares the server a jsonb parse for stages that use no state.
 	State map[string]any
 
 	// Tx is the transaction the outcome commits in. The handler may use it for its own writes:
@@ -75,7 +77,10 @@ type Message struct {
 	second   string       // a further outcome attempted
 	writeErr error        // the chosen outcome's write failed
 	kept     *keptChange  // an outcome waiting for the batch's outcome statement
-	link     link         // the message's place in its pass (stage fusion)
+	// stateEmpty: the row's state column was an empty object when the batch loaded it (at
+	// the claimed stage only; a fused stage's state comes from the advance before it).
+	stateEmpty bool
+	link       link // the message's place in its pass (stage fusion)
 }
 
 // outcomeKind is one kind of outcome that a handler chooses through the Message API (besides
@@ -164,7 +169,7 @@ func (m *Message) choose(c change) error {
 			return fmt.Errorf("%s message %d: encode state: %w", c.what, m.ID, err)
 		}
 		if !m.srv.sess.isOpen() || m.fusable(c) {
-			m.kept = &keptChange{change: c, state: state}
+			m.kept = &keptChange{change: c, state: state, same: m.stateEmpty && len(m.State) == 0}
 			return nil
 		}
 		return m.update(m.ctx, tx, c, state, m.Stage)
@@ -207,7 +212,7 @@ func (m *Message) outcomeNamed(ctx context.Context, what string, write func(tx *
 
 // stateJSON encodes the state for the outcome's UPDATE.
 func (m *Message) stateJSON() ([]byte, error) {
-	if m.State == nil {
+	if len(m.State) == 0 {
 		return []byte("{}"), nil
 	}
 	return json.Marshal(m.State)

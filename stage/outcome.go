@@ -32,6 +32,10 @@ type change struct {
 type keptChange struct {
 	change change
 	state  []byte
+	// same: the state is the row's own, an empty object loaded and left empty, so the outcome
+	// statement need not send it (NULL: keep the column). A no-op stage's outcome then costs
+	// the server no jsonb parse (about 6 % of the machine's CPU in the W1 benchmark).
+	same bool
 }
 
 // keptOutcome is a message whose outcome waits for the batch's outcome statement.
@@ -87,7 +91,7 @@ func (m *Message) update(ctx context.Context, on execer, c change, state []byte,
 
 // outcomeStatement is the statement that writes a batch's kept outcomes, one array element per
 // message: ids, the stages they advance to (NULL: they stay), statuses, retry_at (NULL:
-// unchanged), states; guard is the claimed stage. An advance resets attempts: MAX_ATTEMPTS
+// unchanged), states (NULL: unchanged); guard is the claimed stage. An advance resets attempts: MAX_ATTEMPTS
 // counts failures at one stage, not across them.
 //
 // Its shape is for the planner. The rows are found by primary key only (= ANY ids), and matched
@@ -104,10 +108,10 @@ func (m *Message) update(ctx context.Context, on execer, c change, state []byte,
 // every element (65,280 comparisons for 256 outcomes). Planning costs about 1 ms per batch,
 // 4 µs per outcome. TestOutcomePlan checks the plans.
 func outcomeStatement(ids []int64, stages []sql.NullString, statuses []string, retryAts []sql.NullString,
-	states []string, guard string) (string, error) {
+	states []sql.NullString, guard string) (string, error) {
 	var lits [5]string
 	for i, a := range []driver.Valuer{pq.Array(ids), pq.GenericArray{A: stages}, pq.Array(statuses),
-		pq.GenericArray{A: retryAts}, pq.Array(states)} {
+		pq.GenericArray{A: retryAts}, pq.GenericArray{A: states}} {
 		v, err := a.Value()
 		if err != nil {
 			return "", fmt.Errorf("outcome statement: encode array %d: %w", i+1, err)
@@ -120,7 +124,7 @@ func outcomeStatement(ids []int64, stages []sql.NullString, statuses []string, r
 	}
 	return `UPDATE workqueue AS w SET stage = coalesce(v.stage, w.stage), status = v.status,
        attempts = CASE WHEN v.stage IS NULL THEN w.attempts ELSE 0 END,
-       retry_at = coalesce(v.retry_at, w.retry_at), state = v.state, status_at = now()
+       retry_at = coalesce(v.retry_at, w.retry_at), state = coalesce(v.state, w.state), status_at = now()
   FROM unnest(` + lits[0] + `::bigint[], ` + lits[1] + `::text[], ` + lits[2] + `::text[], ` +
 		lits[3] + `::timestamptz[], ` + lits[4] + `::jsonb[])
        AS v (id, stage, status, retry_at, state),
@@ -152,14 +156,14 @@ func (s *server) writeOutcomes(ctx context.Context, kept []keptOutcome, replies 
 	stages := make([]sql.NullString, len(kept))
 	statuses := make([]string, len(kept))
 	retryAts := make([]sql.NullString, len(kept))
-	states := make([]string, len(kept))
+	states := make([]sql.NullString, len(kept))
 	for i, k := range kept {
 		c := k.m.kept.change
 		ids[i] = k.m.ID
 		stages[i] = sql.NullString{String: c.stage, Valid: c.stage != ""}
 		statuses[i] = c.kind.status
 		retryAts[i] = sql.NullString{String: c.retryAt, Valid: c.retryAt != ""}
-		states[i] = string(k.m.kept.state)
+		states[i] = sql.NullString{String: string(k.m.kept.state), Valid: !k.m.kept.same}
 	}
 	q, err := outcomeStatement(ids, stages, statuses, retryAts, states, s.cfg.Stage)
 	var written map[int64]bool

@@ -17,6 +17,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -636,6 +637,48 @@ func TestStateRoundTrip(t *testing.T) {
 	}
 }
 
+// An empty state that the handler leaves empty is not sent: the outcome statement keeps the
+// column (NULL in its array), so a no-op stage's outcome costs the server no jsonb parse. The
+// first row shows it: its state, changed by someone else while its handler ran, stays. Every
+// other state is written: filled, emptied, or non-empty and unchanged.
+func TestEmptyStateNotSent(t *testing.T) {
+	sch := newSchema(t)
+	untouched := sch.put(t, "a", "running", `{}`)
+	filled := sch.put(t, "a", "running", `{}`)
+	emptied := sch.put(t, "a", "running", `{}`)
+	kept := sch.put(t, "a", "running", `{}`)
+	sch.exec(t, `UPDATE workqueue SET state = CASE WHEN workqueue_id IN ($1, $2) THEN '{}'::jsonb ELSE '{"a": 1}'::jsonb END`, untouched, filled)
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		switch m.ID {
+		case untouched:
+			if _, err := sch.db.ExecContext(ctx, `UPDATE workqueue SET state = '{"elsewhere": 1}' WHERE workqueue_id = $1`, m.ID); err != nil {
+				return err
+			}
+		case filled:
+			m.State["x"] = 1
+		case emptied:
+			delete(m.State, "a")
+		}
+		return m.Done()
+	})
+	before := sv.statements()
+	sv.send(t, untouched, filled, emptied, kept)
+	if r := sv.replies(t, 4); !slices.Equal(r, []string{"0 done", "0 done", "0 done", "0 done"}) {
+		t.Fatalf("replies %q, want four successes", r)
+	}
+	if got := sv.statements() - before; got != 2 {
+		t.Errorf("%d requests, want 2 (load, outcome statement)", got)
+	}
+	for _, c := range []struct {
+		id    int64
+		state string
+	}{{untouched, `{"elsewhere": 1}`}, {filled, `{"x": 1}`}, {emptied, `{}`}, {kept, `{"a": 1}`}} {
+		if _, status, state := sch.rowOf(t, c.id); status != "done" || state != c.state {
+			t.Errorf("row %d: %s %s, want done %s", c.id, status, state, c.state)
+		}
+	}
+}
+
 // A handler that commits m.Tx is a programming error that ends Serve.
 func TestHandlerMustNotCommit(t *testing.T) {
 	sch := newSchema(t)
@@ -1114,10 +1157,10 @@ func TestOutcomePlan(t *testing.T) {
 	sch.exec(t, `UPDATE workqueue SET status = 'running' WHERE workqueue_id IN (SELECT workqueue_id FROM workqueue ORDER BY 1 LIMIT 2048)`)
 	ids := sch.ids(t, `SELECT workqueue_id FROM workqueue WHERE status = 'running' ORDER BY 1 LIMIT 256`)
 	n := len(ids)
-	stages, statuses, retryAts, states := make([]sql.NullString, n), make([]string, n), make([]sql.NullString, n), make([]string, n)
+	stages, statuses, retryAts, states := make([]sql.NullString, n), make([]string, n), make([]sql.NullString, n), make([]sql.NullString, n)
 	for i := range ids {
 		stages[i] = sql.NullString{String: "b", Valid: true}
-		statuses[i], states[i] = "pending", "{}"
+		statuses[i], states[i] = "pending", sql.NullString{String: "{}", Valid: i%2 == 0}
 	}
 	q, err := outcomeStatement(ids, stages, statuses, retryAts, states, "a")
 	if err != nil {

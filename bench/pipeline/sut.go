@@ -209,7 +209,7 @@ const (
    AND (SELECT set_config('synchronous_commit', 'off', true)) = 'off'
 RETURNING q.workqueue_id`
 	rawOutcomesSQL = `UPDATE workqueue AS w SET stage = coalesce(v.stage, w.stage), status = v.status,
-       attempts = CASE WHEN v.stage IS NULL THEN w.attempts ELSE 0 END, state = v.state
+       attempts = CASE WHEN v.stage IS NULL THEN w.attempts ELSE 0 END, state = coalesce(v.state, w.state)
   FROM unnest($1::bigint[], $2::text[], $3::text[], $4::jsonb[]) AS v (id, stage, status, state),
        (SELECT 'running'::text AS status, $5::text AS stage OFFSET 0) AS guard
  WHERE w.workqueue_id = ANY ($1::bigint[]) AND w.workqueue_id = v.id
@@ -350,12 +350,14 @@ func rawWorker(ctx context.Context, pool *pgxpool.Pool, names []string, rawBatch
 
 // rawOutcomes writes a claim's outcomes in one statement (its own transaction), sent with
 // its values inlined (the simple protocol), as the SDK inlines them: a custom plan every time.
+// The states are all NULL: the no-op stage leaves the empty state empty, and the SDK then
+// sends none (stage/outcome.go, keptChange.same).
 func rawOutcomes(ctx context.Context, conn *pgx.Conn, ids []int64, names []string, si int) error {
 	stages := make([]*string, len(ids))
 	statuses := make([]string, len(ids))
-	states := make([]string, len(ids))
+	states := make([]*string, len(ids))
 	for i := range ids {
-		statuses[i], states[i] = "done", "{}"
+		statuses[i] = "done"
 		if si+1 < len(names) {
 			stages[i], statuses[i] = &names[si+1], "pending"
 		}

@@ -3,11 +3,12 @@
 //	cd bench && go run ./pipeline controls -out /tmp/controls-bench.md [-before REV] [-small]
 //
 // Side by side in one run, on one private cluster (the same cluster setup as the main
-// benchmark, its own databases), with pepsi's usual bench settings (one stage, PARALLELISM 8,
-// QUEUE_LIMIT 256):
+// benchmark, its own databases), with one stage at PARALLELISM 8 and QUEUE_LIMIT 256 (-parallelism
+// and -queue-limit change them; the main benchmark's pepsi runs 4 × 512):
 //   - W1 with none of the controls used, two builds alternating run by run: "before" (REV,
-//     default the merge base of HEAD and main, built from `git archive` with its own schema.sql)
-//     and "after" (this tree); the medians and their ratio.
+//     default the merge base of HEAD and main, built from `git archive` with its own schema.sql
+//     and its own stage SDK in the no-op stage) and "after" (this tree); the medians and their
+//     ratio.
 //   - keyed: messages over keys (a concurrency_key each), a 1 ms handler, KEY_LIMIT = 2 against
 //     the same without a limit; the rates, and the claim's server time per claimed row
 //     (pg_stat_statements).
@@ -58,6 +59,7 @@ var ctlSmall = ctlSizes{runs: 5, w1: 30_000, keyed: 20_000, keys: 1000, sat: 100
 // ctlBuild is one build of pepsi-dispatch with its own database.
 type ctlBuild struct {
 	name, bin, schema, db, dsn string
+	stage                      string // its W1 stage program, built with its own stage SDK
 	pool                       *pgxpool.Pool
 }
 
@@ -69,6 +71,8 @@ type ctlBench struct {
 	beforeRev                string
 	running                  []*exec.Cmd // dispatchers started and not yet stopped
 	queueLimit               int         // QUEUE_LIMIT of the next dispatcher started
+	baseQueueLimit           int         // the bench's QUEUE_LIMIT (-queue-limit)
+	parallelism              int         // PARALLELISM of every dispatcher (-parallelism)
 	only                     []string    // the steps to run; nil: all
 	md                       strings.Builder
 }
@@ -81,8 +85,14 @@ func controlsMain(args []string) int {
 	runs := fs.Int("runs", 0, "W1 runs per build (default 5)")
 	keep := fs.Bool("keep", false, "keep the temporary directory")
 	only := fs.String("only", "", "comma-separated steps to run (w1,keyed,saturated,priority); default all")
+	par := fs.Int("parallelism", 8, "PARALLELISM of the stage (the main benchmark's pepsi runs 4)")
+	ql := fs.Int("queue-limit", 256, "QUEUE_LIMIT of the stage (the main benchmark's pepsi runs 512)")
 	fs.Parse(args)
-	c := &ctlBench{sz: ctlFull, queueLimit: 256}
+	if *par < 1 || *ql < 1 {
+		fmt.Fprintln(os.Stderr, "controls: -parallelism and -queue-limit must be positive")
+		return 2
+	}
+	c := &ctlBench{sz: ctlFull, queueLimit: *ql, baseQueueLimit: *ql, parallelism: *par}
 	if *small {
 		c.sz = ctlSmall
 	}
@@ -157,8 +167,9 @@ func (c *ctlBench) run(ctx context.Context, beforeRev, command string) error {
 	host, _ := os.Hostname()
 	fmt.Fprintf(&c.md, "# The producer's controls (issue 20): figures\n\n")
 	fmt.Fprintf(&c.md, "Command: `%s` (from the repository root's `bench/`), %s, PostgreSQL %s, %d CPUs, host %s, %s. "+
-		"\"before\" is %s, \"after\" this tree. One stage, PARALLELISM 8, QUEUE_LIMIT 256, MAX_MESSAGES 1000000.\n\n",
-		strings.TrimSpace(command), goVersion(), c.pg.version, numCPU(), host, time.Now().UTC().Format("2006-01-02 15:04 UTC"), c.beforeRev)
+		"\"before\" is %s, \"after\" this tree. One stage, PARALLELISM %d, QUEUE_LIMIT %d, MAX_MESSAGES 1000000.\n\n",
+		strings.TrimSpace(command), goVersion(), c.pg.version, numCPU(), host, time.Now().UTC().Format("2006-01-02 15:04 UTC"), c.beforeRev,
+		c.parallelism, c.baseQueueLimit)
 	steps := []struct {
 		name string
 		fn   func(context.Context) error
@@ -186,7 +197,10 @@ func (c *ctlBench) build(ctx context.Context) error {
 	}
 	steps := []struct{ dir, pkg, out string }{
 		{src, ".", "pepsi-before"}, {c.root, ".", "pepsi-after"},
-		{c.benchDir, "./pipeline/stage", "bench-stage"}, {c.benchDir, "./pipeline/sleepstage", "sleep-stage"},
+		// The no-op stage of each build links that build's stage SDK (the bench module
+		// replaces pepsi-dispatch with its own tree), so that a change to the SDK is measured too.
+		{filepath.Join(src, "bench"), "./pipeline/stage", "bench-stage-before"}, {c.benchDir, "./pipeline/stage", "bench-stage"},
+		{c.benchDir, "./pipeline/sleepstage", "sleep-stage"},
 	}
 	for _, s := range steps {
 		cmd := exec.CommandContext(ctx, "go", "build", "-o", filepath.Join(c.bin, s.out), s.pkg)
@@ -196,8 +210,8 @@ func (c *ctlBench) build(ctx context.Context) error {
 			return fmt.Errorf("build %s in %s: %w\n%s", s.pkg, s.dir, err, out)
 		}
 	}
-	c.before = &ctlBuild{name: "before", bin: filepath.Join(c.bin, "pepsi-before"), schema: filepath.Join(src, "schema.sql"), db: "ctl_before"}
-	c.after = &ctlBuild{name: "after", bin: filepath.Join(c.bin, "pepsi-after"), schema: filepath.Join(c.root, "schema.sql"), db: "ctl_after"}
+	c.before = &ctlBuild{name: "before", bin: filepath.Join(c.bin, "pepsi-before"), schema: filepath.Join(src, "schema.sql"), db: "ctl_before", stage: "bench-stage-before"}
+	c.after = &ctlBuild{name: "after", bin: filepath.Join(c.bin, "pepsi-after"), schema: filepath.Join(c.root, "schema.sql"), db: "ctl_after", stage: "bench-stage"}
 	return nil
 }
 
@@ -234,8 +248,8 @@ func (c *ctlBench) start(ctx context.Context, b *ctlBuild, program, extra string
 	if os.Geteuid() == 0 {
 		w.WriteString("USER = nobody\n")
 	}
-	fmt.Fprintf(&w, "\n[stage-s1]\nPROGRAM = %s\nNEXT =\nPARALLELISM = 8\nQUEUE_LIMIT = %d\nMAX_MESSAGES = 1000000\n%s\n",
-		filepath.Join(c.bin, program), c.queueLimit, extra)
+	fmt.Fprintf(&w, "\n[stage-s1]\nPROGRAM = %s\nNEXT =\nPARALLELISM = %d\nQUEUE_LIMIT = %d\nMAX_MESSAGES = 1000000\n%s\n",
+		filepath.Join(c.bin, program), c.parallelism, c.queueLimit, extra)
 	conf := filepath.Join(c.tmp, "pepsi-"+b.name+".conf")
 	if err := os.WriteFile(conf, []byte(w.String()), 0o644); err != nil {
 		return nil, err
@@ -396,7 +410,7 @@ func (c *ctlBench) w1(ctx context.Context) error {
 			order = []*ctlBuild{c.after, c.before}
 		}
 		for _, b := range order {
-			el, err := c.backlog(ctx, b, "bench-stage", "", insert, "")
+			el, err := c.backlog(ctx, b, b.stage, "", insert, "")
 			if err != nil {
 				return fmt.Errorf("W1 %s: %w", b.name, err)
 			}
@@ -652,7 +666,7 @@ func (c *ctlBench) priority(ctx context.Context) error {
 		"(up to 8 × QUEUE_LIMIT messages: the one claim it may wait for), so the figure is set by QUEUE_LIMIT. Enqueue = the row's "+
 		"created_at (its transaction's start), start = the handler's first look (state.t0).\n\n", c.sz.urgentEvery)
 	fmt.Fprintf(&c.md, "| QUEUE_LIMIT | messages | p50 | p99 | max | run |\n|---|---|---|---|---|---|\n")
-	defer func() { c.queueLimit = 256 }()
+	defer func() { c.queueLimit = c.baseQueueLimit }()
 	for _, ql := range []int{256, 4} {
 		c.queueLimit = ql
 		if err := c.priorityRun(ctx, ql); err != nil {
