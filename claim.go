@@ -349,32 +349,50 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 		return res, fmt.Errorf("claim: %w", err)
 	}
 	defer rows.Close()
+	// The columns are scanned into interfaces and asserted (claimCol), not into sql.Null*
+	// values: database/sql converts an int64 into a NullInt64 by reflection, which was the
+	// dispatcher's largest CPU cost per claimed row (7 of the 11 columns are integers).
+	var col [11]any
+	dest := make([]any, len(col))
+	for i := range col {
+		dest[i] = &col[i]
+	}
 	for rows.Next() {
-		var id, claim, attempts, fanout, priority, remaining, parked sql.NullInt64
-		var stage, key sql.NullString
-		var next sql.NullTime
-		var inbox sql.NullBool
-		if err := rows.Scan(&id, &stage, &claim, &attempts, &fanout, &priority, &key, &remaining, &next, &inbox, &parked); err != nil {
+		if err := rows.Scan(dest...); err != nil {
 			return res, fmt.Errorf("claim: read row: %w", err)
 		}
-		if !id.Valid && fanout.Valid {
+		var c claimCols
+		id, idOK := c.int(col[0])
+		fanout, fanoutOK := c.int(col[4])
+		if !idOK && fanoutOK {
 			if res.remaining == nil {
 				res.remaining = map[int64]int{}
 			}
-			res.remaining[fanout.Int64] = int(remaining.Int64)
+			remaining, _ := c.int(col[7])
+			res.remaining[fanout] = int(remaining)
 			continue
 		}
-		if !id.Valid {
-			if next.Valid {
-				res.nextRetry = next.Time
+		if !idOK {
+			if next, ok := col[8].(time.Time); ok {
+				res.nextRetry = next
 			}
-			res.inbox = inbox.Bool
-			res.parked = parked.Int64
+			res.inbox, _ = col[9].(bool)
+			res.parked, _ = c.int(col[10])
+			if c.err != nil {
+				return res, c.err
+			}
 			continue
 		}
-		m := &message{id: id.Int64, stage: stage.String, claim: claim.Int64,
-			attempts: int(attempts.Int64), fanout: fanout.Int64,
-			priority: int(priority.Int64), key: key.String, keyed: key.Valid}
+		stage, _ := c.str(col[1])
+		claim, _ := c.int(col[2])
+		attempts, _ := c.int(col[3])
+		priority, _ := c.int(col[5])
+		key, keyed := c.str(col[6])
+		if c.err != nil {
+			return res, c.err
+		}
+		m := &message{id: id, stage: stage, claim: claim, attempts: int(attempts), fanout: fanout,
+			priority: int(priority), key: key, keyed: keyed}
 		res.byStage[m.stage] = append(res.byStage[m.stage], m)
 		res.total++
 	}
@@ -388,6 +406,38 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 		})
 	}
 	return res, nil
+}
+
+// claimCols reads the claim's columns as lib/pq returns them (int64, string, or nil for NULL),
+// keeping the first column of an unexpected type as an error.
+type claimCols struct{ err error }
+
+func (c *claimCols) int(v any) (int64, bool) {
+	switch x := v.(type) {
+	case int64:
+		return x, true
+	case nil:
+		return 0, false
+	}
+	if c.err == nil {
+		c.err = fmt.Errorf("claim: read row: integer column holds %T", v)
+	}
+	return 0, false
+}
+
+func (c *claimCols) str(v any) (string, bool) {
+	switch x := v.(type) {
+	case string:
+		return x, true
+	case []byte:
+		return string(x), true
+	case nil:
+		return "", false
+	}
+	if c.err == nil {
+		c.err = fmt.Errorf("claim: read row: text column holds %T", v)
+	}
+	return "", false
 }
 
 // queryKeyed runs claimKeyedSQL with cl.names, caps and limits and what keys has in flight.
