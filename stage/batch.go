@@ -36,8 +36,11 @@ const (
 	// alone take no savepoint (their outcomes are written by one statement after the
 	// transaction), so only this and maxBatchTime bound such a batch: a bigger batch costs
 	// fewer statements per message. After a batch that wrote, a read takes only as many ids
-	// as maxSubxids allows, so that the ids left over are not loaded twice.
-	maxBatch = 256
+	// as maxSubxids allows, so that the ids left over are not loaded twice. 500 rather than
+	// the earlier 256: with QUEUE_LIMIT 1000 a worker has its next batch in its pipe while one
+	// commits, and a no-op stage on 2 cores then ran W1 at 58-61k/s against 52k/s with 256
+	// and QUEUE_LIMIT 512 (bench/pipeline, BENCHMARKS.md says how pepsi is set up there).
+	maxBatch = 500
 
 	// maxBatchTime is how long a batch takes new messages: its replies come after its last
 	// message, and MAX_RUNTIME counts for the first from when the previous batch answered.

@@ -105,7 +105,7 @@ func run(ctx context.Context, args []string, getenv func(string) string,
 // database calls, where lib/pq closes the connection to cancel them; a Read of in that is
 // blocked is not interrupted: close in to stop it.
 //
-// Every id already available on in (up to 256, fewer after a batch whose handlers used
+// Every id already available on in (up to 500, fewer after a batch whose handlers used
 // Message.Tx) is run as one batch in one transaction, whose status lines are written together
 // after the commit, and a batch takes no new message after 100 ms: see "What this package
 // does" in the package documentation. Serve is ServeStages with h as the only handler, that of

@@ -498,10 +498,13 @@ func (b *bench) report(chartPath string) string {
 		b.pepsiQueueLimit, b.pepsiMaxMessages)
 	p("DB_POOL_SIZE 8); `USER = nobody` when run as root. Why: the 2 cores are shared by the dispatcher, the workers ")
 	p("and PostgreSQL, and a worker spends most of a batch waiting for its commit's WAL flush and, between batches, for ")
-	p("the dispatcher's next claim; the SDK runs up to 256 queued ids as one batch, so QUEUE_LIMIT = 512 gives each ")
-	p("worker two full batches, the next already in its pipe while one commits, and 4 workers (2,048 messages in flight, ")
-	p("as River's 2,000 workers) keep several commits in flight with fewer processes contending for the 2 cores. ")
-	p("Chosen by a sweep of the same 2,048 in flight, as Graphile Worker's processes and concurrency were (W1, 3 runs ")
+	p("the dispatcher's next claim; the SDK runs up to 500 queued ids as one batch, so QUEUE_LIMIT = 1000 (the largest ")
+	p("the dispatcher allows) gives each worker two full batches, the next already in its pipe while one commits, and ")
+	p("4 workers keep several commits in flight with few processes contending for the 2 cores. Chosen by a sweep once the ")
+	p("SDK's batch went from 256 to 500 (W1, 5 runs each, one round, 13:28 UTC on 3 December): 4 × 1000 57.4–63.2k/s ")
+	p("(two rounds: medians 58.6k and 61.3k), 3 × 1000 53.5–60.3k, 2 × 1000 61.2–63.0k (one run at 41k with other load 36 %%); ")
+	p("4 × 512 with the 256-id batches had given 49.5–53.2k/s in the same hour. ")
+	p("Before that, 4 × 512 was chosen by a sweep of 2,048 in flight, as Graphile Worker's processes and concurrency were (W1, 3 runs ")
 	p("each, the configurations alternating, two rounds, on 07f85c1): 4 × 512 against 8 × 256 gave 43.9k against 33.8k/s ")
 	p("(W4 38.9k against 33.3k transitions/s) in one round and 44.4k against 38.1k/s in the other; CPU per 1,000 ")
 	p("transitions 39–41 ms against 43–48 ms in every run. Fewer in flight lost (3 × 512: 26.6–40.6k/s, 2 × 512: ")
@@ -534,7 +537,12 @@ func (b *bench) report(chartPath string) string {
 	p("on quick W1, with an earlier claim shape; W1, 5 runs each, two rounds: medians 4 × 128: 39.9k, 45.2k/s; 4 × 512: 55.2k, 56.1k/s). Sessions are named `pepsi-…` like pepsi's, so the requeue trigger skips them the same way. A ")
 	p("`LISTEN workqueue` connection wakes idle goroutines.\n")
 	sz := b.sz
-	p("- **workloads**: W1 (after one unmeasured warm-up run of each system, for cold caches) %s messages enqueued in one transaction while the system runs idle, timed from that commit ",
+	p("- **workloads**: every backlog run (W1, W4, W5) first sends the system, once started, a priming batch of %s messages ",
+		groupThousands(fmt.Sprint(b.pepsiWorkers*b.pepsiQueueLimit)))
+	p("(pepsi's messages in flight, so that its first claim starts all its workers), waits for it and measures nothing of it: pepsi starts ")
+	p("its workers on demand, the others start all theirs with the system, and without it pepsi's window held its 4 workers' start ")
+	p("(about 125 ms to the first message done; a PostgreSQL connection takes 17–65 ms on this machine). ")
+	p("W1 (after one unmeasured warm-up run of each system, for cold caches) %s messages enqueued in one transaction while the system runs idle, timed from that commit ",
 		groupThousands(fmt.Sprint(sz.w1Messages)))
 	p("until none is pending or running, the enqueue and an ANALYZE of the queue table in one transaction, so that every ")
 	p("system starts with statistics that know the backlog (the W5 plans show what a stale one does to pepsi's claim); ")

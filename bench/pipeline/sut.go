@@ -39,12 +39,12 @@ const (
 	riverDefaultMaxWorkers  = 100
 )
 
-// Raw loop defaults: goroutines, each with its own connection, and the claim size: 4 × 512 rows
-// in flight, as many as pepsi's 4 workers × QUEUE_LIMIT 512. (More goroutines with smaller
-// claims did worse here: every claimer walks the same head of the pending index.)
+// Raw loop defaults: goroutines, each with its own connection, and the claim size: 4 × 1000
+// rows in flight, as many as pepsi's 4 workers × QUEUE_LIMIT 1000. (More goroutines with
+// smaller claims did worse here: every claimer walks the same head of the pending index.)
 const (
 	rawWorkersDefault = 4
-	rawBatchDefault   = 512
+	rawBatchDefault   = 1000
 )
 
 // benchArgs is the River job of every workload: message Msg at stage Stage of Last stages. A

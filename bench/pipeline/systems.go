@@ -661,7 +661,7 @@ func (p *sutProc) readStamps(ctx context.Context) (map[int64]int64, error) {
 // several stages divides it among them (stageParallelism).
 const (
 	pepsiWorkers     = 4
-	pepsiQueueLimit  = 512
+	pepsiQueueLimit  = 1000
 	pepsiMaxMessages = 1000000
 )
 

@@ -277,7 +277,7 @@ func (b *bench) floorNotes(w *strings.Builder) {
 
 // sdkMaxBatch is the Go SDK's batch (stage/batch.go, maxBatch): a worker with more ids in its
 // queue runs them as several batches.
-const sdkMaxBatch = 256
+const sdkMaxBatch = 500
 
 // howToRead is the newcomer's guide: what the tables say and which system suits what, by the
 // figures of this run.

@@ -229,7 +229,8 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 	}
 	defer p.stop()
 	defer func() { m.Slow = b.slowSince(logOff) }()
-	if err := b.prime(ctx, s, base, stages); err != nil {
+	primed, err := b.prime(ctx, s, base, stages)
+	if err != nil {
 		return fail(fmt.Errorf("priming batch: %w", err))
 	}
 	b.pg.checkpoint(ctx) // after the priming batch's writes: every run starts from a checkpoint
@@ -240,7 +241,7 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 			pepsiBefore = readPepsiStats(ctx, s)
 		}
 	}
-	if err := s.enqueueBulk(ctx, base+primeMessages+1, n, stages, true); err != nil {
+	if err := s.enqueueBulk(ctx, base+primed+1, n, stages, true); err != nil {
 		return fail(fmt.Errorf("enqueue: %w", err))
 	}
 	s0 := b.snap(ctx, p)
@@ -282,7 +283,7 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 			if done == 0 {
 				return fail(fmt.Errorf("not one of %d transitions made within %s", n*int64(stages), b.sz.backlogLimit))
 			}
-			done -= primeMessages * int64(stages) // counted done above base like the run's own
+			done -= primed * int64(stages) // counted done above base like the run's own
 			m.Transitions, m.Messages = done, done/int64(stages)
 			m.Note = fmt.Sprintf("cut after %s: %d of %d transitions made", b.sz.backlogLimit, done, n*int64(stages))
 			return m
@@ -317,7 +318,7 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 	if err != nil {
 		return fail(err)
 	}
-	got -= primeMessages // the priming batch's, finished before the run
+	got -= primed // the priming batch's, finished before the run
 	if base > 0 {
 		got -= b.res.w5DoneRows[s.name] // the big table's done rows were there before
 	}
@@ -367,37 +368,36 @@ func readPepsiStats(ctx context.Context, s *system) pepsiStats {
 	return st
 }
 
-// primeMessages is the size of the priming batch that every backlog run (W1, W4, W5) sends
-// each system after starting it and before its measured backlog, waited for and measured
-// nowhere: pepsi starts its workers on demand (PARALLELISM of them for a claim as large as
-// their queues, 4 × 512 here), while River, Graphile Worker, PgQ's consumer and the raw loop
+// prime sends s a priming batch after starting it and before a backlog run's measured backlog
+// (W1, W4, W5), waited for and measured nowhere: as many messages as pepsi has in flight
+// (PARALLELISM × QUEUE_LIMIT: a claim that large starts every worker; fewer would start only
+// some, as the dispatcher packs), of a stages-stage pipeline, the same for every system. pepsi
+// starts its workers on demand, while River, Graphile Worker, PgQ's consumer and the raw loop
 // start all theirs with the system, before the window. Without it pepsi's window held the
 // start of its 4 workers (exec, a PostgreSQL connection at 17-65 ms on this machine, the first
 // statements of a new backend): about 125 ms before the first message was done, 6 % of a W1
-// run. The measured backlog comes within a second, inside WORKER_IDLE_TIMEOUT (5 s).
-const primeMessages = 2048
-
-// prime sends s the priming batch (primeMessages messages of a stages-stage pipeline) and
-// waits until none of them is open.
-func (b *bench) prime(ctx context.Context, s *system, base int64, stages int) error {
-	if err := s.enqueueBulk(ctx, base+1, primeMessages, stages, false); err != nil {
-		return err
+// run. The measured backlog comes within a second, inside WORKER_IDLE_TIMEOUT (5 s). It
+// returns the size of the batch, which the run's finished rows include.
+func (b *bench) prime(ctx context.Context, s *system, base int64, stages int) (int64, error) {
+	n := int64(b.pepsiWorkers * b.pepsiQueueLimit)
+	if err := s.enqueueBulk(ctx, base+1, n, stages, false); err != nil {
+		return 0, err
 	}
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		_, open, err := s.counts(ctx, base)
 		if err != nil {
-			return err
+			return 0, err
 		}
 		if open == 0 {
-			return nil
+			return n, nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("%d of %d messages still open after 2 minutes", open, primeMessages)
+			return 0, fmt.Errorf("%d of %d messages still open after 2 minutes", open, n)
 		}
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			return 0, ctx.Err()
 		case <-time.After(10 * time.Millisecond):
 		}
 	}

@@ -4,7 +4,7 @@
 //
 // Side by side in one run, on one private cluster (the same cluster setup as the main
 // benchmark, its own databases), with one stage at PARALLELISM 8 and QUEUE_LIMIT 256 (-parallelism
-// and -queue-limit change them; the main benchmark's pepsi runs 4 × 512):
+// and -queue-limit change them; the main benchmark's pepsi runs 4 × 1000):
 //   - W1 with none of the controls used, two builds alternating run by run: "before" (REV,
 //     default the merge base of HEAD and main, built from `git archive` with its own schema.sql
 //     and its own stage SDK in the no-op stage) and "after" (this tree); the medians and their
@@ -86,7 +86,7 @@ func controlsMain(args []string) int {
 	keep := fs.Bool("keep", false, "keep the temporary directory")
 	only := fs.String("only", "", "comma-separated steps to run (w1,keyed,saturated,priority); default all")
 	par := fs.Int("parallelism", 8, "PARALLELISM of the stage (the main benchmark's pepsi runs 4)")
-	ql := fs.Int("queue-limit", 256, "QUEUE_LIMIT of the stage (the main benchmark's pepsi runs 512)")
+	ql := fs.Int("queue-limit", 256, "QUEUE_LIMIT of the stage (the main benchmark's pepsi runs 1000)")
 	fs.Parse(args)
 	if *par < 1 || *ql < 1 {
 		fmt.Fprintln(os.Stderr, "controls: -parallelism and -queue-limit must be positive")
