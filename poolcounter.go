@@ -130,7 +130,12 @@ func (s *lockServer) clock() time.Time {
 // Go sets SO_REUSEADDR on listening sockets and uses the kernel's somaxconn as the backlog (the
 // kernel caps any larger value to it), against the reference's missing SO_REUSEADDR and
 // backlog of 20; SO_REUSEADDR is set again explicitly so the intent does not rest on a default.
+//
+// The parts of the keepalive policy that every connection shares, SO_KEEPALIVE and
+// TCP_KEEPCNT, are set here once: Linux copies a listener's socket options to each connection
+// it accepts, so pcListener sets only the two drawn per connection (see pcListener.Accept).
 func listenPoolCounter(addr string) (net.Listener, error) {
+	ka := poolCounterKeepAlive()
 	lc := net.ListenConfig{
 		// No keepalive from Go's listener (its default is 15 s for every connection, in step):
 		// pcListener gives each accepted connection its own schedule.
@@ -138,7 +143,16 @@ func listenPoolCounter(addr string) (net.Listener, error) {
 		Control: func(network, address string, rc syscall.RawConn) error {
 			var serr error
 			err := rc.Control(func(fd uintptr) {
-				serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_REUSEADDR, 1)
+				for _, o := range []struct{ level, opt, v int }{
+					{syscall.SOL_SOCKET, syscall.SO_REUSEADDR, 1},
+					{syscall.SOL_SOCKET, syscall.SO_KEEPALIVE, 1},
+					{syscall.IPPROTO_TCP, syscall.TCP_KEEPCNT, ka.count},
+				} {
+					if serr = syscall.SetsockoptInt(int(fd), o.level, o.opt, o.v); serr != nil {
+						serr = fmt.Errorf("setsockopt %d/%d: %w", o.level, o.opt, serr)
+						return
+					}
+				}
 			})
 			if err != nil {
 				return err
@@ -150,7 +164,7 @@ func listenPoolCounter(addr string) (net.Listener, error) {
 	if err != nil {
 		return nil, fmt.Errorf("poolcounter listen %s: %w", addr, err)
 	}
-	return &pcListener{TCPListener: ln.(*net.TCPListener), keepAlive: poolCounterKeepAlive()}, nil
+	return &pcListener{TCPListener: ln.(*net.TCPListener), keepAlive: ka}, nil
 }
 
 // Serve accepts until ctx is cancelled, then closes every connection and returns nil after all

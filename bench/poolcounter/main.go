@@ -13,6 +13,11 @@
 //	churn     N concurrent clients, each cycle on a new connection (connect, ACQ4ME, RELEASE,
 //	          close), as MediaWiki and Thumbor do
 //
+// Churn clients (-churn-client): epoll (the default, churn_epoll.go) drives all N clients from
+// one thread over non-blocking sockets; net is the first generator (measure, below: a goroutine
+// per client over Go's net package), kept so the two can be compared. At 256 clients the net
+// client used 95-99 % of its CPU and was the bottleneck, not the servers.
+//
 // Placement: both servers run under `taskset -c -server-cpus` (default CPU 0, so our daemon
 // gets GOMAXPROCS=1 like the single-threaded reference); this generator re-executes itself
 // under `taskset -c -client-cpus` (default CPU 1). poolcounterd gets its listening socket as
@@ -31,16 +36,17 @@
 // 100 % of its pinned CPU was waiting for that CPU (other load), not working.
 //
 // Usage (from the bench module): go run ./poolcounter [-duration 2s] [-rounds 3] [-conns 1,16,256]
+// [-churn-client epoll|net] [-churn-sources 16]
 package main
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"maps"
 	"net"
 	"os"
 	"os/exec"
@@ -65,6 +71,12 @@ type options struct {
 	maxCycles                  int64
 	conns                      []int
 	modes                      []string
+	// churnClient is the churn generator, "epoll" or "net"; churnSources the number of
+	// loopback source addresses the churn clients spread their connections over: from one
+	// address, connect runs out of reusable ephemeral ports near 14,000 connections a second
+	// (churn_epoll.go, Ephemeral ports).
+	churnClient  string
+	churnSources int
 }
 
 func main() {
@@ -87,6 +99,8 @@ func run() int {
 	flag.Int64Var(&o.maxCycles, "max-cycles", 2_000_000, "cycle budget of one measurement")
 	flag.StringVar(&conns, "conns", "1,16,256", "connection counts")
 	flag.StringVar(&modes, "modes", "distinct,hot,churn", "modes")
+	flag.StringVar(&o.churnClient, "churn-client", "epoll", "churn load generator: epoll (one thread, all clients) or net (a goroutine per client)")
+	flag.IntVar(&o.churnSources, "churn-sources", 16, "churn: spread the connections over source addresses 127.0.0.1..127.0.0.N, each with its own ephemeral ports (1: 127.0.0.1 only, no bind)")
 	flag.Parse()
 	for _, s := range strings.Split(conns, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(s))
@@ -102,6 +116,14 @@ func run() int {
 			return 2
 		}
 		o.modes = append(o.modes, strings.TrimSpace(m))
+	}
+	if o.churnClient != "epoll" && o.churnClient != "net" {
+		fmt.Fprintf(os.Stderr, "bad -churn-client value %q (epoll or net)\n", o.churnClient)
+		return 2
+	}
+	if o.churnSources < 1 || o.churnSources > 254 {
+		fmt.Fprintln(os.Stderr, "-churn-sources must be in 1..254")
+		return 2
 	}
 	if o.duration <= 0 || o.duration > 5*time.Minute || o.maxCycles < 1 || o.rounds < 1 || o.rounds > 15 {
 		fmt.Fprintln(os.Stderr, "-duration must be in (0, 5m], -max-cycles positive, -rounds in 1..15")
@@ -178,8 +200,8 @@ func bench(o options) error {
 	}
 	defer floor.stop() //nolint:errcheck // killed by SIGTERM: its status says nothing
 
-	fmt.Printf("servers pinned to CPUs %q, generator to %q; %v or %d cycles per measurement; median of %d alternating rounds\n",
-		o.serverCPUs, o.clientCPUs, o.duration, o.maxCycles, o.rounds)
+	fmt.Printf("servers pinned to CPUs %q, generator to %q; %v or %d cycles per measurement; median of %d alternating rounds; churn client %s\n",
+		o.serverCPUs, o.clientCPUs, o.duration, o.maxCycles, o.rounds, o.churnClient)
 	const row = "%-8s %5s %10s %10s %6s | %8s %8s %8s | %8s %8s %8s | %6s %7s\n"
 	var churn []string // breakdowns, printed after the table
 	fmt.Printf(row, "mode", "conns", "pepsi c/s", "ref c/s", "ratio", "p50", "p99", "max", "ref p50", "ref p99", "ref max", "p99 r", "errors")
@@ -191,13 +213,13 @@ func bench(o options) error {
 			for round := 0; round < o.rounds; round++ {
 				for _, first := range []bool{round%2 == 0, round%2 != 0} {
 					if first {
-						a, err := measureServer(ours, mode, n, o.duration, o.maxCycles)
+						a, err := measureServer(ours, mode, n, o)
 						if err != nil {
 							return fmt.Errorf("pepsi %s %d: %w", mode, n, err)
 						}
 						as = append(as, a)
 					} else {
-						b, err := measureServer(ref, mode, n, o.duration, o.maxCycles)
+						b, err := measureServer(ref, mode, n, o)
 						if err != nil {
 							return fmt.Errorf("poolcounterd %s %d: %w", mode, n, err)
 						}
@@ -205,7 +227,7 @@ func bench(o options) error {
 					}
 				}
 				if mode == "churn" {
-					f, err := measureServer(floor, mode, n, o.duration, o.maxCycles)
+					f, err := measureServer(floor, mode, n, o)
 					if err != nil {
 						return fmt.Errorf("floor %s %d: %w", mode, n, err)
 					}
@@ -222,16 +244,21 @@ func bench(o options) error {
 				churn = append(churn, fmt.Sprintf("churn %d, where a cycle's time goes (p50/p99/max of the median round):", n),
 					"  pepsi  "+breakdown(a), "  ref    "+breakdown(b),
 					"  pepsi  kernel: "+a.net.String(), "  ref    kernel: "+b.net.String(),
-					"  steal (the hypervisor's, per CPU, during the median round): pepsi "+stealString(a.steal)+"; ref "+stealString(b.steal))
+					"  pepsi  "+pauseString(a), "  ref    "+pauseString(b))
 				f := median(fs)
 				churn = append(churn,
 					fmt.Sprintf("  floor  (a server with no lock table: the generator, the kernel and Go's runtime alone) %.0f c/s, p50 %s p99 %s max %s",
 						f.rate(), fmtDur(f.pct(50)), fmtDur(f.pct(99)), fmtDur(f.pct(100))),
-					"  floor  "+breakdown(f),
-					fmt.Sprintf("  CPU used / elapsed: pepsi server %.0f%%, its generator %.0f%%; poolcounterd %.0f%%, its generator %.0f%%; floor %.0f%%, its generator %.0f%%",
+					"  floor  "+breakdown(f), "  floor  "+pauseString(f),
+					fmt.Sprintf("  CPU used / elapsed (processes; softirq not included): pepsi server %.0f%%, its generator %.0f%%; poolcounterd %.0f%%, its generator %.0f%%; floor %.0f%%, its generator %.0f%%",
 						100*a.serverCPU.Seconds()/a.elapsed.Seconds(), 100*a.selfCPU.Seconds()/a.elapsed.Seconds(),
 						100*b.serverCPU.Seconds()/b.elapsed.Seconds(), 100*b.selfCPU.Seconds()/b.elapsed.Seconds(),
-						100*f.serverCPU.Seconds()/f.elapsed.Seconds(), 100*f.selfCPU.Seconds()/f.elapsed.Seconds()))
+						100*f.serverCPU.Seconds()/f.elapsed.Seconds(), 100*f.selfCPU.Seconds()/f.elapsed.Seconds()),
+					fmt.Sprintf("  preempted by other tasks (involuntary context switches): pepsi server %d, its generator %d; poolcounterd %d, its generator %d; floor %d, its generator %d",
+						a.serverPreempt, a.selfPreempt, b.serverPreempt, b.selfPreempt, f.serverPreempt, f.selfPreempt),
+					"  CPUs (/proc/stat, machine-wide) pepsi:  "+cpuString(a.cpus),
+					"  CPUs (/proc/stat, machine-wide) ref:    "+cpuString(b.cpus),
+					"  CPUs (/proc/stat, machine-wide) floor:  "+cpuString(f.cpus))
 			}
 		}
 	}
@@ -399,13 +426,69 @@ type result struct {
 	// serverCPU and selfCPU: CPU time used by the server process and by this generator during
 	// the measurement: near elapsed × CPUs given, that side was the bottleneck.
 	serverCPU, selfCPU time.Duration
-	// steal: time the hypervisor ran something else on each CPU during the measurement
-	// (/proc/stat), which no process here can see: a stall of every client at once with
-	// steal beside it is the host's, not the server's.
-	steal map[string]time.Duration
+	// serverPreempt and selfPreempt: involuntary context switches of either side's threads:
+	// another task on the machine took that side's CPU.
+	serverPreempt, selfPreempt int64
+	// cpus: each CPU's busy (softirq included), idle and steal time during the measurement
+	// (/proc/stat), machine-wide. Steal is time the hypervisor ran something else, which no
+	// process here can see: a stall of every client at once with steal beside it is the
+	// host's, not the server's.
+	cpus map[string]cpuTimes
+	// ends: churn only, when each cycle ended, from the start of the measurement (sorted):
+	// the longest pause between two ends shows a stall of every client at once.
+	ends []time.Duration
+	// slowStarts and slowEnds: when the slowest 1 % of the cycles started and ended (sorted):
+	// bunched in one window, they are one event (a stall, another task on a CPU); spread over
+	// the measurement, they are the ordinary queueing of a saturated closed loop.
+	slowStarts, slowEnds []time.Duration
+}
+
+// longestPause is the longest time between two cycle ends and when it began.
+func (r result) longestPause() (d, at time.Duration) {
+	for i := 1; i < len(r.ends); i++ {
+		if g := r.ends[i] - r.ends[i-1]; g > d {
+			d, at = g, r.ends[i-1]
+		}
+	}
+	return d, at
+}
+
+// pauseString formats longestPause.
+func pauseString(r result) string {
+	d, at := r.longestPause()
+	s := fmt.Sprintf("longest pause with no cycle ending: %s, %s into the %s measurement", fmtDur(d), fmtDur(at), fmtDur(r.elapsed))
+	if len(r.slowEnds) > 0 {
+		s += fmt.Sprintf("; the slowest 1 %% (%d) started %s..%s (middle 80 %%: %s..%s), ended %s..%s", len(r.slowEnds),
+			fmtDur(r.slowStarts[0]), fmtDur(r.slowStarts[len(r.slowStarts)-1]), fmtDur(pct(r.slowStarts, 10)), fmtDur(pct(r.slowStarts, 90)),
+			fmtDur(r.slowEnds[0]), fmtDur(r.slowEnds[len(r.slowEnds)-1]))
+	}
+	return s
 }
 
 func (r result) rate() float64 { return float64(r.cycles) / r.elapsed.Seconds() }
+
+// sortAll sorts the latency lists and counts the cycles. Before sorting it notes when the
+// slowest 1 % of the cycles ran (r.ends and r.lat are in the same order until then).
+func (r *result) sortAll() {
+	r.cycles = int64(len(r.lat))
+	if len(r.ends) == len(r.lat) && len(r.lat) >= 100 {
+		idx := make([]int, len(r.lat))
+		for i := range idx {
+			idx[i] = i
+		}
+		slices.SortFunc(idx, func(x, y int) int { return cmp.Compare(r.lat[y], r.lat[x]) })
+		slow := idx[:len(idx)/100]
+		r.slowStarts, r.slowEnds = make([]time.Duration, len(slow)), make([]time.Duration, len(slow))
+		for k, i := range slow {
+			r.slowStarts[k], r.slowEnds[k] = r.ends[i]-r.lat[i], r.ends[i]
+		}
+		slices.Sort(r.slowStarts)
+		slices.Sort(r.slowEnds)
+	}
+	for _, l := range [][]time.Duration{r.lat, r.connect, r.acq, r.release, r.ends} {
+		slices.Sort(l)
+	}
+}
 
 func (r result) pct(p int) time.Duration { return pct(r.lat, p) }
 
@@ -421,40 +504,14 @@ func pct(lat []time.Duration, p int) time.Duration {
 // overflowed (ListenOverflows, ListenDrops), the SYN queue was full (syncookies sent or SYNs
 // dropped), SYN-ACKs or SYNs were retransmitted. They are machine-wide, so other processes on
 // a shared box add to them.
+//
+// retrans (Tcp RetransSegs) counts every retransmitted segment, not only SYNs: a data segment
+// lost on loopback waits for the retransmission timeout (200 ms at least); backlogDrops (the
+// second column of /proc/net/softnet_stat, summed over CPUs) counts packets dropped because a
+// CPU's input backlog (net.core.netdev_max_backlog) was full, which is how loopback loses them.
 type netCounters struct {
 	overflows, drops, cookies, reqQDrops, synRetrans int64
-}
-
-// readSteal returns each CPU's steal time so far ("cpu0" ..., from /proc/stat).
-func readSteal() map[string]time.Duration {
-	m := map[string]time.Duration{}
-	b, err := os.ReadFile("/proc/stat")
-	if err != nil {
-		return m
-	}
-	for _, l := range strings.Split(string(b), "\n") {
-		f := strings.Fields(l)
-		if len(f) < 9 || !strings.HasPrefix(f[0], "cpu") || f[0] == "cpu" {
-			continue
-		}
-		v, _ := strconv.ParseInt(f[8], 10, 64)         // user nice system idle iowait irq softirq steal
-		m[f[0]] = time.Duration(v) * time.Second / 100 // USER_HZ
-	}
-	return m
-}
-
-// stealString formats steal time per CPU, those with none left out.
-func stealString(m map[string]time.Duration) string {
-	var parts []string
-	for _, cpu := range slices.Sorted(maps.Keys(m)) {
-		if m[cpu] > 0 {
-			parts = append(parts, fmt.Sprintf("%s %s", cpu, fmtDur(m[cpu])))
-		}
-	}
-	if len(parts) == 0 {
-		return "none"
-	}
-	return strings.Join(parts, ", ")
+	retrans, backlogDrops                            int64
 }
 
 func readNetCounters() netCounters {
@@ -485,16 +542,39 @@ func readNetCounters() netCounters {
 			}
 		}
 	}
+	if b, err := os.ReadFile("/proc/net/snmp"); err == nil {
+		lines := strings.Split(string(b), "\n")
+		for i := 0; i+1 < len(lines); i++ {
+			names, values := strings.Fields(lines[i]), strings.Fields(lines[i+1])
+			if len(names) == 0 || names[0] != "Tcp:" || len(values) != len(names) || values[0] != "Tcp:" {
+				continue
+			}
+			if j := slices.Index(names, "RetransSegs"); j > 0 {
+				c.retrans, _ = strconv.ParseInt(values[j], 10, 64)
+			}
+			break
+		}
+	}
+	if b, err := os.ReadFile("/proc/net/softnet_stat"); err == nil {
+		for _, l := range strings.Split(string(b), "\n") {
+			if f := strings.Fields(l); len(f) >= 2 {
+				v, _ := strconv.ParseInt(f[1], 16, 64)
+				c.backlogDrops += v
+			}
+		}
+	}
 	return c
 }
 
 func (c netCounters) sub(o netCounters) netCounters {
-	return netCounters{c.overflows - o.overflows, c.drops - o.drops, c.cookies - o.cookies, c.reqQDrops - o.reqQDrops, c.synRetrans - o.synRetrans}
+	return netCounters{c.overflows - o.overflows, c.drops - o.drops, c.cookies - o.cookies, c.reqQDrops - o.reqQDrops, c.synRetrans - o.synRetrans,
+		c.retrans - o.retrans, c.backlogDrops - o.backlogDrops}
 }
 
 func (c netCounters) String() string {
 	return fmt.Sprintf("ListenOverflows %d, ListenDrops %d, syncookies %d, SYN drops %d, SYN retransmits %d",
-		c.overflows, c.drops, c.cookies, c.reqQDrops, c.synRetrans)
+		c.overflows, c.drops, c.cookies, c.reqQDrops, c.synRetrans) +
+		fmt.Sprintf(", all retransmits %d, input backlog drops %d", c.retrans, c.backlogDrops)
 }
 
 // backlog reports a listening socket's backlog as ss shows it (Send-Q of a LISTEN line).
@@ -556,7 +636,26 @@ type client struct {
 }
 
 func dial(addr string) (*client, error) {
-	conn, err := net.DialTimeout("tcp", addr, 10*time.Second)
+	return dialFrom(addr, nil)
+}
+
+// dialFrom connects from a source address (port 0) when src is not nil, leaving the port to
+// connect (IP_BIND_ADDRESS_NO_PORT) as the epoll client does (churn_epoll.go, Ephemeral ports).
+func dialFrom(addr string, src *net.TCPAddr) (*client, error) {
+	d := net.Dialer{Timeout: 10 * time.Second}
+	if src != nil {
+		d.LocalAddr = src
+		d.Control = func(network, address string, rc syscall.RawConn) error {
+			var serr error
+			if err := rc.Control(func(fd uintptr) {
+				serr = syscall.SetsockoptInt(int(fd), syscall.IPPROTO_IP, ipBindAddressNoPort, 1)
+			}); err != nil {
+				return err
+			}
+			return serr
+		}
+	}
+	conn, err := d.Dial("tcp", addr)
 	if err != nil {
 		return nil, err
 	}
@@ -578,11 +677,21 @@ func (c *client) call(req, want string) error {
 	return nil
 }
 
-// measureServer is measure with the CPU time both sides used.
-func measureServer(srv *server, mode string, n int, d time.Duration, maxCycles int64) (result, error) {
-	s0, c0 := procCPU(srv.cmd.Process.Pid), procCPU(os.Getpid())
-	r, err := measure(srv.addr, mode, n, d, maxCycles)
-	r.serverCPU, r.selfCPU = procCPU(srv.cmd.Process.Pid)-s0, procCPU(os.Getpid())-c0
+// measureServer is one measurement, by the churn client chosen for churn, with the CPU time
+// both sides used.
+func measureServer(srv *server, mode string, n int, o options) (result, error) {
+	pid := srv.cmd.Process.Pid
+	s0, c0 := procCPU(pid), procCPU(os.Getpid())
+	sp0, cp0 := preemptions(pid), preemptions(os.Getpid())
+	var r result
+	var err error
+	if mode == "churn" && o.churnClient == "epoll" {
+		r, err = measureChurnEpoll(srv.addr, n, o.duration, o.maxCycles, o.churnSources)
+	} else {
+		r, err = measure(srv.addr, mode, n, o.duration, o.maxCycles, o.churnSources)
+	}
+	r.serverCPU, r.selfCPU = procCPU(pid)-s0, procCPU(os.Getpid())-c0
+	r.serverPreempt, r.selfPreempt = preemptions(pid)-sp0, preemptions(os.Getpid())-cp0
 	return r, err
 }
 
@@ -602,13 +711,15 @@ func procCPU(pid int) time.Duration {
 	return time.Duration(ut+st) * time.Second / 100 // USER_HZ is 100 on Linux
 }
 
-// measure runs n workers of one mode until the duration or the cycle budget is used up.
-func measure(addr, mode string, n int, d time.Duration, maxCycles int64) (result, error) {
+// measure runs n workers of one mode until the duration or the cycle budget is used up, one
+// goroutine each over Go's net package (for churn: -churn-client net).
+func measure(addr, mode string, n int, d time.Duration, maxCycles int64, sources int) (result, error) {
 	var budget atomic.Int64
 	budget.Store(maxCycles)
 	var errs atomic.Int64
 	lats := make([][]time.Duration, n)
 	phases := make([][3][]time.Duration, n)
+	ends := make([][]time.Duration, n)
 	clients := make([]*client, n)
 	if mode != "churn" {
 		for i := range clients {
@@ -621,6 +732,7 @@ func measure(addr, mode string, n int, d time.Duration, maxCycles int64) (result
 		}
 	}
 	start := make(chan struct{})
+	var startTime time.Time // set before start is closed
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var wg sync.WaitGroup
@@ -636,11 +748,16 @@ func measure(addr, mode string, n int, d time.Duration, maxCycles int64) (result
 		if mode == "hot" {
 			acq = fmt.Sprintf("ACQ4ME bench-hot 1 %d 10\n", n+1)
 		}
+		var src *net.TCPAddr
+		if sources > 1 {
+			src = &net.TCPAddr{IP: net.IPv4(127, 0, 0, byte(1+i%sources))}
+		}
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
 			lat := make([]time.Duration, 0, 1024)
 			var ph [3][]time.Duration
+			var end []time.Duration
 			<-start
 			deadline := time.Now().Add(d)
 			for ctx.Err() == nil && time.Now().Before(deadline) && budget.Add(-1) >= 0 {
@@ -648,7 +765,7 @@ func measure(addr, mode string, n int, d time.Duration, maxCycles int64) (result
 				c := clients[i]
 				if mode == "churn" {
 					var err error
-					if c, err = dial(addr); err != nil {
+					if c, err = dialFrom(addr, src); err != nil {
 						fail(err)
 						break
 					}
@@ -671,29 +788,25 @@ func measure(addr, mode string, n int, d time.Duration, maxCycles int64) (result
 				lat = append(lat, t3.Sub(t0))
 				if mode == "churn" {
 					ph[0], ph[1], ph[2] = append(ph[0], t1.Sub(t0)), append(ph[1], t2.Sub(t1)), append(ph[2], t3.Sub(t2))
+					end = append(end, t3.Sub(startTime))
 				}
 			}
-			lats[i], phases[i] = lat, ph
+			lats[i], phases[i], ends[i] = lat, ph, end
 		}(i)
 	}
-	before, steal0 := readNetCounters(), readSteal()
-	t0 := time.Now()
+	before, cpus0 := readNetCounters(), readCPUTimes()
+	startTime = time.Now()
 	close(start)
 	wg.Wait()
-	r := result{elapsed: time.Since(t0), errors: errs.Load(), net: readNetCounters().sub(before), steal: readSteal()}
-	for cpu, v := range r.steal {
-		r.steal[cpu] = v - steal0[cpu]
-	}
+	r := result{elapsed: time.Since(startTime), errors: errs.Load(), net: readNetCounters().sub(before), cpus: subCPUTimes(readCPUTimes(), cpus0)}
 	for i, l := range lats {
 		r.lat = append(r.lat, l...)
 		r.connect = append(r.connect, phases[i][0]...)
 		r.acq = append(r.acq, phases[i][1]...)
 		r.release = append(r.release, phases[i][2]...)
+		r.ends = append(r.ends, ends[i]...)
 	}
-	r.cycles = int64(len(r.lat))
-	for _, l := range [][]time.Duration{r.lat, r.connect, r.acq, r.release} {
-		slices.Sort(l)
-	}
+	r.sortAll()
 	if firstErr != nil && r.cycles == 0 {
 		return r, firstErr
 	}
