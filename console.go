@@ -224,7 +224,19 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 			v.Workers, v.InFlight, v.Held, v.Paused = st.workers, st.inflight, st.held, st.paused
 		}
 	}
-	rows, err := c.pool().QueryContext(ctx, `
+	// The count is a scan of the queue table (no index serves status <> 'done'), once a second
+	// while the page is open. Without parallel workers: a parallel plan starts a worker process
+	// for every execution (17-65 ms for a backend on the test machine), which cost more than the
+	// scan itself; W1 with the overview open ran at 92.9 % of W1 (BENCHMARKS.md, issue 21's ≥ 97 %).
+	tx, err := c.pool().BeginTx(ctx, &sql.TxOptions{ReadOnly: true})
+	if err != nil {
+		return "", "", nil, fmt.Errorf("count rows per stage: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // read only: nothing to keep or lose
+	if _, err := tx.ExecContext(ctx, `SET LOCAL max_parallel_workers_per_gather = 0`); err != nil {
+		return "", "", nil, fmt.Errorf("count rows per stage: %w", err)
+	}
+	rows, err := tx.QueryContext(ctx, `
 		SELECT stage, status, count(*),
 		       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)::float8
 		  FROM workqueue WHERE status <> 'done'
