@@ -452,19 +452,19 @@ func (b *bench) continuousRun(ctx context.Context, s *system, run int) (m measur
 		// The rows done, counted at the window's edges: the scan runs outside the window
 		// (before s0, after s1), its snapshot a scan's length off the edge (a few ms of
 		// transitions in 30 s).
-		done := func() (int64, error) {
+		countDone := func() (int64, error) {
 			_, open, err := s.counts(ctx, 0)
 			return inserted - open, err // everything inserted so far committed before the count
 		}
 		now := time.Now()
 		if !measuring && !now.Before(warmEnd) {
-			if done0, err = done(); err != nil {
+			if done0, err = countDone(); err != nil {
 				return fail(err)
 			}
 			s0, measuring = b.snap(ctx, p), true
 		} else if measuring && !now.Before(measureEnd) {
 			s1 := b.snap(ctx, p)
-			done, err := done()
+			done, err := countDone()
 			if err != nil {
 				return fail(err)
 			}
