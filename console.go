@@ -245,8 +245,6 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 	}{out, consoleStatuses, consoleSampleEvery}, nil
 }
 
-// pausedStages reads the PAUSED overlay rows (operate.md §3): a stage is paused when its
-// [stage-NAME] section in the config table says PAUSED = yes.
 // countPerStage counts the rows that are not done, per stage and status, into the stages'
 // views (and the age of each stage's oldest pending row). The count is a scan of the queue
 // table (no index serves status <> 'done'), once a second while the overview is open, and it
@@ -291,6 +289,8 @@ func countPerStage(ctx context.Context, db *sql.DB, view func(stage string) *sta
 	return nil
 }
 
+// pausedStages reads the PAUSED overlay rows (operate.md §3): a stage is paused when its
+// [stage-NAME] section in the config table says PAUSED = yes.
 func pausedStages(ctx context.Context, db *sql.DB) (map[string]bool, error) {
 	rows, err := db.QueryContext(ctx, `
 		SELECT substr(section, 7) FROM config
