@@ -116,6 +116,7 @@ type bench struct {
 	pepsiWorkers     int // worker processes in all, divided among the stages that get messages
 	pepsiQueueLimit  int
 	pepsiMaxMessages int
+	pepsiEnv         []string // -pepsi-env: more environment for pepsi's dispatcher (and so its workers)
 	rawWorkers       int
 	rawBatch         int
 
@@ -151,6 +152,7 @@ func benchMain() int {
 	par := flag.Int("pepsi-workers", pepsiWorkers, "pepsi's worker processes in all: the PARALLELISM of a 1-stage pipeline, divided among the stages of a longer one")
 	ql := flag.Int("pepsi-queue-limit", pepsiQueueLimit, "QUEUE_LIMIT of every pepsi stage")
 	mm := flag.Int("pepsi-max-messages", pepsiMaxMessages, "MAX_MESSAGES of every pepsi stage")
+	pepsiEnv := flag.String("pepsi-env", "", "space-separated NAME=VALUE settings added to pepsi-dispatch's environment, which its workers inherit (experiments: GOMAXPROCS=1, GODEBUG=...)")
 	rw := flag.Int("raw-workers", rawWorkersDefault, "goroutines of the raw loop")
 	rb := flag.Int("raw-batch", rawBatchDefault, "rows per claim of the raw loop")
 	w1 := flag.Int64("w1-messages", 0, "messages of the W1 backlog (default: the mode's size)")
@@ -163,7 +165,8 @@ func benchMain() int {
 
 	b := &bench{quick: *quick, sz: fullSizes, started: time.Now(), dbs: map[string]*system{},
 		pepsiWorkers: *par, pepsiQueueLimit: *ql, pepsiMaxMessages: *mm, rawWorkers: *rw, rawBatch: *rb,
-		graphileProcesses: *gp, graphileConcurrency: *gc, graphileLocalQueue: *gl, traceLatency: *trace}
+		graphileProcesses: *gp, graphileConcurrency: *gc, graphileLocalQueue: *gl, traceLatency: *trace,
+		pepsiEnv: strings.Fields(*pepsiEnv)}
 	if *quick {
 		b.sz = quickSizes
 	}

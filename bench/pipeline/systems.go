@@ -487,7 +487,7 @@ func (b *bench) startSUT(ctx context.Context, s *system, o startOpts) (*sutProc,
 			return nil, err
 		}
 		p.cmd = exec.Command(filepath.Join(b.bin, "pepsi-dispatch"), "-c", conf, "serve")
-		p.cmd.Env = os.Environ()
+		p.cmd.Env = append(os.Environ(), b.pepsiEnv...)
 		if o.stamp {
 			p.cmd.Env = append(p.cmd.Env, "BENCH_STAMP=1")
 			if b.traceLatency {
