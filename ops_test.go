@@ -331,6 +331,31 @@ func TestSeveralSystemsOneDatabase(t *testing.T) {
 	d1.stop()
 }
 
+// TestDaemonProcessors: the daemon runs on one processor unless GOMAXPROCS says otherwise
+// (main.go, oneProc), and its start-up line says how many it has.
+func TestDaemonProcessors(t *testing.T) {
+	for _, tc := range []struct{ env, want string }{
+		{"GOMAXPROCS=", "procs=1"}, // unset: Go ignores an empty value, and so does oneProc
+		{"GOMAXPROCS=2", "procs=2"},
+	} {
+		t.Run(tc.env, func(t *testing.T) {
+			conf := fmt.Sprintf("[poolcounter]\nLISTEN = %s\n[pepsi-dispatch]\nUSER = nobody\n", freePort(t))
+			d := startDaemon(t, conf, "", tc.env)
+			d.waitLog("lock service listening", 30*time.Second)
+			var line string
+			for _, l := range strings.Split(d.log.String(), "\n") {
+				if strings.Contains(l, "pepsi-dispatch starting") {
+					line = l
+				}
+			}
+			if !strings.Contains(line, " "+tc.want) {
+				t.Errorf("with %s the start-up line is %q, want %s", tc.env, line, tc.want)
+			}
+			d.stop()
+		})
+	}
+}
+
 // TestLockServiceAlone: a configuration with only [poolcounter] runs the lock service by
 // itself (a drop-in for poolcounterd), with its counters on /metrics, and stops cleanly.
 func TestLockServiceAlone(t *testing.T) {

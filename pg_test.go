@@ -36,6 +36,7 @@ func TestMain(m *testing.M) {
 		os.Exit(w())
 	}
 	if os.Getenv("PEPSI_TEST_DAEMON") != "" {
+		oneProc(os.Getenv) // as main does
 		os.Exit(run(context.Background(), os.Args[1:], os.Stderr))
 	}
 	before := runtime.NumGoroutine()

@@ -180,7 +180,11 @@ const w3TailNote = "**Where W3's time and tail go** (pepsi, measured apart from 
 	"enough for the p99 of 2,000); a running system has paid that already, so every system now gets the same one-second " +
 	"warm-up. *The claim's commit:* the claim waited for its WAL flush on the coordinator's loop; it now commits " +
 	"asynchronously (claim.go), which took enqueue → start p50 from 1.11–1.17 ms to 0.83–0.90 ms and done p50 from " +
-	"1.77–2.02 ms to 1.55–1.78 ms. *What is left:* the trace's hops (notification and claim; pipe, worker wake-up and " +
+	"1.77–2.02 ms to 1.55–1.78 ms. *The dispatcher's processors:* with one Go processor per core, the runtime woke an " +
+	"idle thread at the dispatcher's hand-offs (LISTEN to coordinator, coordinator to pipe), on cores PostgreSQL and the " +
+	"workers need; the daemon now runs on one unless `GOMAXPROCS` is set (main.go), which took done p99 at 20/s from " +
+	"4.30–4.69 ms to 3.67–4.09 ms and start p99 from 3.16–3.44 to 2.20–2.65 ms in three alternating rounds " +
+	"(`-pepsi-env GOMAXPROCS=1` against the default), W1 and W2 no slower. *What is left:* the trace's hops (notification and claim; pipe, worker wake-up and " +
 	"payload SELECT; handler; outcome UPDATE and its commit; the done NOTIFY) each have a p99 of 1–4 ms and none dominates: " +
 	"a message wakes five processes in turn on 2 vCPUs, and a slow message is one that waited for a CPU somewhere. Not Go's " +
 	"GC (`GODEBUG=gctrace=1`: at 20/s neither the dispatcher nor the worker collected once in the run; at 200/s five " +
