@@ -47,6 +47,7 @@ type console struct {
 	pool    func() *sql.DB          // the dispatcher's pool; nil until it exists (page and action check)
 	snap    func() *metricsSnapshot // the coordinator's latest snapshot (nil before the first)
 	samples *sampler
+	counts  countCache // the overview's row counts, shared by its viewers
 	log     *slog.Logger
 	version string
 	tmpl    *template.Template
@@ -224,8 +225,16 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 			v.Workers, v.InFlight, v.Held, v.Paused = st.workers, st.inflight, st.held, st.paused
 		}
 	}
-	if err := countPerStage(ctx, c.pool(), get); err != nil {
+	counts, counted, err := c.counts.get(ctx, c.pool())
+	if err != nil {
 		return "", "", nil, err
+	}
+	for _, n := range counts {
+		v := get(n.stage)
+		v.Counts[n.status] = n.n
+		if n.status == "pending" {
+			v.Oldest = n.oldest
+		}
 	}
 	paused, err := pausedStages(ctx, c.pool())
 	if err != nil {
@@ -242,51 +251,8 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 		Stages   []*stageView
 		Statuses []string
 		Every    time.Duration
-	}{out, consoleStatuses, consoleSampleEvery}, nil
-}
-
-// countPerStage counts the rows that are not done, per stage and status, into the stages'
-// views (and the age of each stage's oldest pending row). The count is a scan of the queue
-// table (no index serves status <> 'done'), once a second while the overview is open, and it
-// runs without parallel workers: a parallel plan starts a worker process for every execution
-// (17-65 ms for a backend on the test machine), which cost more than the scan itself; W1 with
-// the overview open ran at 92.9 % of W1 (BENCHMARKS.md, issue 21's ≥ 97 %). The setting is
-// local to its read-only transaction, which ends before the page goes on.
-func countPerStage(ctx context.Context, db *sql.DB, view func(stage string) *stageView) error {
-	tx, err := db.BeginTx(ctx, &sql.TxOptions{ReadOnly: true})
-	if err != nil {
-		return fmt.Errorf("count rows per stage: %w", err)
-	}
-	defer tx.Rollback() //nolint:errcheck // read only: nothing to keep or lose
-	if _, err := tx.ExecContext(ctx, `SET LOCAL max_parallel_workers_per_gather = 0`); err != nil {
-		return fmt.Errorf("count rows per stage: %w", err)
-	}
-	rows, err := tx.QueryContext(ctx, `
-		SELECT stage, status, count(*),
-		       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)::float8
-		  FROM workqueue WHERE status <> 'done'
-		 GROUP BY stage, status`)
-	if err != nil {
-		return fmt.Errorf("count rows per stage: %w", err)
-	}
-	defer rows.Close()
-	for rows.Next() {
-		var stage, status string
-		var n int64
-		var oldest float64
-		if err := rows.Scan(&stage, &status, &n, &oldest); err != nil {
-			return fmt.Errorf("count rows per stage: %w", err)
-		}
-		v := view(stage)
-		v.Counts[status] = n
-		if status == "pending" {
-			v.Oldest = time.Duration(oldest * float64(time.Second))
-		}
-	}
-	if err := rows.Err(); err != nil {
-		return fmt.Errorf("count rows per stage: %w", err)
-	}
-	return nil
+		Counted  time.Duration // how old the counts are (console_counts.go)
+	}{out, consoleStatuses, consoleSampleEvery, time.Since(counted)}, nil
 }
 
 // pausedStages reads the PAUSED overlay rows (operate.md §3): a stage is paused when its

@@ -100,6 +100,7 @@ func (c *console) runAction(w http.ResponseWriter, r *http.Request) {
 		refuse(w, http.StatusInternalServerError, "the action failed: "+err.Error())
 		return
 	}
+	c.counts.invalidate() // the next overview counts the rows again
 	c.log.Info("console: operator action", "action", action, "result", summary, "remote", r.RemoteAddr)
 	back := r.PostFormValue("back")
 	if !strings.HasPrefix(back, "/") || strings.HasPrefix(back, "//") {

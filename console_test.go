@@ -5,8 +5,10 @@
 package main
 
 import (
+	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -17,7 +19,9 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 )
 
 // consoleHarness is a console served by httptest over a test schema.
@@ -281,5 +285,93 @@ func TestConsoleTokenFile(t *testing.T) {
 	if _, err := loadConfig(write("pepsi.conf", "[database]\nDSN = dbname=x\n[pepsi-dispatch]\nCONSOLE_TOKEN_FILE = relative/path\n", 0o644)); err == nil ||
 		!strings.Contains(err.Error(), "absolute path") {
 		t.Fatalf("a relative CONSOLE_TOKEN_FILE: %v, want a refusal", err)
+	}
+}
+
+// TestConsoleCountsShared: the overview's count is one for all viewers of a moment
+// (console_counts.go). Loads at the same time share one count, a load within
+// consoleCountEvery shows the same figures though rows changed, a later load counts again, and
+// an action on the console makes the next load count at once.
+func TestConsoleCountsShared(t *testing.T) {
+	h := newConsoleHarness(t, testConsoleToken)
+	h.s.exec(t, `INSERT INTO workqueue (stage) SELECT 'parse' FROM generate_series(1, 3)`)
+	pendingRe := regexp.MustCompile(`status-pending"><a href="/search\?stage=parse&amp;status=pending">(\d+)<`)
+	jar, _ := cookiejar.New(nil)
+	cl := &http.Client{Jar: jar}
+	pending := func() string {
+		t.Helper()
+		code, body := h.get(t, cl, "/")
+		m := pendingRe.FindStringSubmatch(body)
+		if code != 200 || m == nil {
+			t.Fatalf("overview: %d, no pending count for parse:\n%s", code, body)
+		}
+		return m[1]
+	}
+
+	var wg sync.WaitGroup
+	ats := make([]time.Time, 8)
+	for i := range ats {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, at, err := h.c.counts.get(context.Background(), h.s.DB)
+			if err != nil {
+				t.Error(err)
+			}
+			ats[i] = at
+		}()
+	}
+	wg.Wait()
+	for _, at := range ats[1:] {
+		if !at.Equal(ats[0]) {
+			t.Fatalf("8 loads at once made more than one count: %v", ats)
+		}
+	}
+
+	h.s.exec(t, `INSERT INTO workqueue (stage) SELECT 'parse' FROM generate_series(1, 2)`)
+	got := pending()
+	if time.Since(ats[0]) < consoleCountEvery && got != "3" {
+		t.Errorf("a load within %v of the count shows %s pending, want the count's 3", consoleCountEvery, got)
+	}
+	waitFor(t, 10*time.Second, "the overview counting the 2 new rows", func() bool { return pending() == "5" })
+
+	if code, _ := h.post(t, cl, "/login", h.srv.URL, url.Values{"token": {testConsoleToken}}); code != 200 {
+		t.Fatalf("login: %d", code)
+	}
+	_, body := h.get(t, cl, "/search")
+	m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindStringSubmatch(body)
+	if m == nil {
+		t.Fatal("logged in, the search page has no CSRF token")
+	}
+	var id int64
+	if err := h.s.DB.QueryRow(`SELECT min(workqueue_id) FROM workqueue`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	pending() // a fresh count, so that only the action can make the next load count again
+	before := time.Now()
+	if code, body := h.post(t, cl, "/action", h.srv.URL, url.Values{"action": {"hold"}, "id": {fmt.Sprint(id)},
+		"csrf": {m[1]}, "back": {"/"}}); code != 200 {
+		t.Fatalf("hold: %d\n%s", code, body)
+	}
+	if got := pending(); got != "4" {
+		t.Errorf("the load after the hold shows %s pending, want 4", got)
+	}
+	if el := time.Since(before); el >= consoleCountEvery {
+		t.Logf("the action and the load took %v: the cache would have expired anyway", el)
+	}
+}
+
+// TestConsoleCountDuty: a count waits consoleCountEvery, or consoleCountDuty times its own
+// duration when that is longer, up to consoleCountMaxAge.
+func TestConsoleCountDuty(t *testing.T) {
+	for _, tc := range []struct{ took, want time.Duration }{
+		{time.Millisecond, consoleCountEvery},
+		{80 * time.Millisecond, 4 * time.Second},
+		{2 * time.Second, consoleCountMaxAge},
+	} {
+		cc := countCache{took: tc.took}
+		if got := cc.every(); got != tc.want {
+			t.Errorf("a count of %v is good for %v, want %v", tc.took, got, tc.want)
+		}
 	}
 }
