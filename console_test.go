@@ -375,3 +375,50 @@ func TestConsoleCountDuty(t *testing.T) {
 		}
 	}
 }
+
+// TestConsoleCountFailureKept: a count that ran into the statement timeout is not made again
+// at the next load (it cost as much as one that finished), and an action counts again.
+func TestConsoleCountFailureKept(t *testing.T) {
+	h := newConsoleHarness(t, "")
+	h.s.exec(t, `INSERT INTO workqueue (stage) VALUES ('parse')`)
+	tx, err := h.s.DB.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	// The count waits for this lock until the page's statement timeout.
+	if _, err := tx.Exec(`LOCK TABLE workqueue IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	if code, _ := h.get(t, nil, "/"); code == 200 {
+		t.Fatal("the overview loaded while its count could not read the table")
+	}
+	start := time.Now()
+	if code, _ := h.get(t, nil, "/"); code == 200 {
+		t.Fatal("the second load succeeded while the table was still locked")
+	}
+	if el := time.Since(start); el >= consoleStatementTimeout/2 {
+		t.Errorf("the load after a timed-out count took %v: it counted again instead of keeping the failure", el)
+	}
+	if err := tx.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	h.c.counts.invalidate() // as an action does (TestConsoleCountsShared goes through one)
+	if code, body := h.get(t, nil, "/"); code != 200 || !strings.Contains(body, `id="stage-parse"`) {
+		t.Errorf("after the lock and an action: %d\n%s", code, body)
+	}
+}
+
+// TestConsoleCountViewerLeft: a count whose viewer went away (its request's context
+// cancelled) is not kept as a failure: the next viewer counts.
+func TestConsoleCountViewerLeft(t *testing.T) {
+	h := newConsoleHarness(t, "")
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel() // the viewer has gone: the count's first statement fails at once
+	if _, _, err := h.c.counts.get(ctx, h.s.DB); err == nil {
+		t.Fatal("a count under a cancelled context succeeded")
+	}
+	if _, _, err := h.c.counts.get(context.Background(), h.s.DB); err != nil {
+		t.Errorf("the count after a viewer left: %v, want a count", err)
+	}
+}

@@ -184,7 +184,8 @@ const w3TailNote = "**Where W3's time and tail go** (pepsi, measured apart from 
 	"idle thread at the dispatcher's hand-offs (LISTEN to coordinator, coordinator to pipe), on cores PostgreSQL and the " +
 	"workers need; the daemon now runs on one unless `GOMAXPROCS` is set (main.go), which took done p99 at 20/s from " +
 	"4.30–4.69 ms to 3.67–4.09 ms and start p99 from 3.16–3.44 to 2.20–2.65 ms in three alternating rounds " +
-	"(`-pepsi-env GOMAXPROCS=1` against the default), W1 and W2 no slower. *What is left:* the trace's hops (notification and claim; pipe, worker wake-up and " +
+	"(`-pepsi-env GOMAXPROCS=1` against the default), W1 and W2 no slower. *What is left:* the trace's hops " +
+	"(notification and claim; pipe, worker wake-up and " +
 	"payload SELECT; handler; outcome UPDATE and its commit; the done NOTIFY) each have a p99 of 1–4 ms and none dominates: " +
 	"a message wakes five processes in turn on 2 vCPUs, and a slow message is one that waited for a CPU somewhere. Not Go's " +
 	"GC (`GODEBUG=gctrace=1`: at 20/s neither the dispatcher nor the worker collected once in the run; at 200/s five " +
