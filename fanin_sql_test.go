@@ -1071,6 +1071,14 @@ func TestFaninEvidenceRoles(t *testing.T) {
 			step("other columns", fmt.Sprintf(`UPDATE workqueue SET state = '{"x": 1}' WHERE workqueue_id IN %s`, all), none, nil)
 			step("requeue", fmt.Sprintf(`UPDATE workqueue SET status = 'pending' WHERE workqueue_id IN (%d, %d)`, a[0], a[1]),
 				map[int64]net{fa: {-1, -1}}, map[int64][]int64{fa: {a[0], a[1]}})
+			// One child enters and another leaves in one statement: the netting form; a plain
+			// row finishing beside children entering: the one-grouping form, plain row ignored.
+			step("enter and leave in one statement", fmt.Sprintf(`UPDATE workqueue SET status = CASE
+			    WHEN workqueue_id = %d THEN 'done' ELSE 'pending' END WHERE workqueue_id IN (%d, %d)`, a[0], a[0], a[2]),
+				map[int64]net{fa: {1, -1}}, map[int64][]int64{fa: {a[0], a[2]}})
+			step("children enter beside a plain row's terminal write", fmt.Sprintf(`UPDATE workqueue SET status = 'failed'
+			    WHERE workqueue_id IN (%d, %d, %d)`, a[1], a[2], plain),
+				map[int64]net{fa: {0, 2}}, map[int64][]int64{fa: {a[1], a[2]}})
 			_, err = c.ExecContext(ctx, fmt.Sprintf(`UPDATE workqueue SET fanout_id = %d WHERE workqueue_id = %d`, fb, a[2]))
 			if err == nil || !strings.Contains(err.Error(), "immutable") {
 				t.Errorf("moving a child to another group: %v, want the immutability error", err)
