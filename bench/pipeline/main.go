@@ -125,6 +125,7 @@ type bench struct {
 	graphileLocalQueue  int
 	graphile            graphileEnv
 	traceLatency        bool // see the -trace-latency flag
+	pauseDamon          bool // see the -pause-damon flag (quiet.go)
 
 	mu    sync.Mutex
 	procs []*sutProc // every system process started, for the cleanup
@@ -158,6 +159,7 @@ func benchMain() int {
 	w1 := flag.Int64("w1-messages", 0, "messages of the W1 backlog (default: the mode's size)")
 	w4 := flag.Int64("w4-messages", 0, "messages of the W4 backlog (default: the mode's size)")
 	trace := flag.Bool("trace-latency", false, "latency runs: log every statement of pepsi's database, run its dispatcher and workers with GODEBUG=gctrace=1, and write each message's times to logs/*.latency.csv (use with -keep)")
+	damon := flag.Bool("pause-damon", true, "stop the kernel's DAMON (kdamond) during each latency run and start it again after, and run W3 at 20/s once more for pepsi and the raw loop with it running (W3d); see quiet.go")
 	gp := flag.Int("graphile-processes", graphileTunedProcesses, "Graphile Worker tuned: runner processes")
 	gc := flag.Int("graphile-concurrency", graphileTunedConcurrency, "Graphile Worker tuned: concurrentJobs of each process")
 	gl := flag.Int("graphile-local-queue", graphileTunedLocalQueue, "Graphile Worker tuned: localQueue.size of each process")
@@ -166,7 +168,8 @@ func benchMain() int {
 	b := &bench{quick: *quick, sz: fullSizes, started: time.Now(), dbs: map[string]*system{},
 		pepsiWorkers: *par, pepsiQueueLimit: *ql, pepsiMaxMessages: *mm, rawWorkers: *rw, rawBatch: *rb,
 		graphileProcesses: *gp, graphileConcurrency: *gc, graphileLocalQueue: *gl, traceLatency: *trace,
-		pepsiEnv: strings.Fields(*pepsiEnv)}
+		pauseDamon: *damon,
+		pepsiEnv:   strings.Fields(*pepsiEnv)}
 	if *quick {
 		b.sz = quickSizes
 	}

@@ -329,17 +329,32 @@ func (b *bench) report(chartPath string) string {
 		p("final transition (pepsi/raw: `status = 'done'`; River: `state = 'completed'` of the last stage's job), i.e. ")
 		p("after that transaction committed, so done includes the commit and is measured the same way for all. ")
 		p("Milliseconds. CPU is that of the system and of PostgreSQL (all its processes) per second of the run, in ms/s; ")
-		p("*other load* as in the cost table (the tails are sensitive to it: one run each).\n\n")
-		p("| workload | rate | system | messages | start p50 | start p99 | start max | done p50 | done p99 | done max | CPU ms/s | other load |\n")
-		p("|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
+		p("*other load* as in the cost table (the tails are sensitive to it: one run each). Before every latency run each ")
+		p("benchmark database is vacuumed and the run waits until no autovacuum worker runs (the backlog workloads leave ")
+		p("hundreds of thousands of dead rows behind, and a worker waking up mid-run takes one of two cores for seconds); ")
+		p("*autovacuum* is the share of the run, sampled every 250 ms, in which a worker was busy anyway, and what it vacuumed. ")
+		p("*DAMON*: this machine's kernel runs DAMON, a memory monitor whose reclaim thread kdamond takes a vCPU for 25–43 ms at a ")
+		p("time; %s ", map[bool]string{true: "each latency run stops it and starts it again after (`-pause-damon`), and **W3d** is W3 at 20/s once more for pepsi and the raw loop with it running, for comparison;",
+			false: "it ran during every latency run (`-pause-damon=false`);"}[b.pauseDamon])
+		p("the column says whether it ran and its CPU time meanwhile (why: `bench/pipeline/quiet.go`).\n\n")
+		p("| workload | rate | system | messages | start p50 | start p99 | start max | done p50 | done p99 | done max | CPU ms/s | other load | autovacuum | DAMON |\n")
+		p("|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|\n")
 		for _, l := range r.lat {
 			errNote := ""
 			if l.Err != "" {
 				errNote = " (" + l.Err + ")"
 			}
-			p("| %s | %d/s | %s | %d%s | %s | %s | %s | %s | %s | %s | %s | %s %% |\n", l.Workload, l.Rate, b.sysLabel(l.System), l.Sent, errNote,
+			av := f0(l.AutovacPct) + " %"
+			if len(l.Autovac) > 0 {
+				av += " (" + strings.Join(l.Autovac, "; ") + ")"
+			}
+			dm := "none"
+			if l.DAMON != "" {
+				dm = fmt.Sprintf("%s, kdamond %s ms", l.DAMON, f0(l.KdamondMS))
+			}
+			p("| %s | %d/s | %s | %d%s | %s | %s | %s | %s | %s | %s | %s | %s %% | %s | %s |\n", l.Workload, l.Rate, b.sysLabel(l.System), l.Sent, errNote,
 				f2(pct(l.Start, 50)), f2(pct(l.Start, 99)), f2(pct(l.Start, 100)),
-				f2(pct(l.Done, 50)), f2(pct(l.Done, 99)), f2(pct(l.Done, 100)), f0(l.CPUPerSec), f0(l.OtherPct))
+				f2(pct(l.Done, 50)), f2(pct(l.Done, 99)), f2(pct(l.Done, 100)), f0(l.CPUPerSec), f0(l.OtherPct), av, dm)
 		}
 		p("\n")
 		b.hopsSection(&w)

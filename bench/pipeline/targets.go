@@ -122,6 +122,12 @@ func (b *bench) targets(w *strings.Builder) {
 					rate, f2(pct(l.Done, 50)), f2(pct(l.Done, 99)))
 			}
 		}
+		for _, sys := range []string{"pepsi", "raw"} {
+			if l := r.latency(w3DamonOn, 20, sys); l != nil && len(l.Done) > 0 {
+				p("| (context, not a target) W3d at 20/s, the machine's DAMON running (kdamond %s ms of CPU in the run): %s's enqueue → done p50, p99 | %s ms, %s ms | |\n",
+					f0(l.KdamondMS), b.sysLabel(sys), f2(pct(l.Done, 50)), f2(pct(l.Done, 99)))
+			}
+		}
 	}
 	if b.want("W4") && b.want("W1") {
 		b.w4Targets(w)
@@ -184,13 +190,23 @@ const w3TailNote = "**Where W3's time and tail go** (pepsi, measured apart from 
 	"idle thread at the dispatcher's hand-offs (LISTEN to coordinator, coordinator to pipe), on cores PostgreSQL and the " +
 	"workers need; the daemon now runs on one unless `GOMAXPROCS` is set (main.go), which took done p99 at 20/s from " +
 	"4.30–4.69 ms to 3.67–4.09 ms and start p99 from 3.16–3.44 to 2.20–2.65 ms in three alternating rounds " +
-	"(`-pepsi-env GOMAXPROCS=1` against the default), W1 and W2 no slower. *What is left:* the trace's hops " +
+	"(`-pepsi-env GOMAXPROCS=1` against the default), W1 and W2 no slower. *What waited for a CPU:* the trace's hops " +
 	"(notification and claim; pipe, worker wake-up and " +
 	"payload SELECT; handler; outcome UPDATE and its commit; the done NOTIFY) each have a p99 of 1–4 ms and none dominates: " +
-	"a message wakes five processes in turn on 2 vCPUs, and a slow message is one that waited for a CPU somewhere. Not Go's " +
+	"a message wakes five processes in turn on 2 vCPUs, and a slow message is one that waited for a CPU somewhere. " +
+	"`perf sched` over a W3 run names what held the CPUs then: 95 wake-ups waited more than 1 ms (the benchmark's own " +
+	"producer and listener 33 of them, the dispatcher 19, PostgreSQL 16, the worker 13), and in those waits the kernel's " +
+	"DAMON reclaim thread kdamond, which this virtual machine runs with a pageout scheme, took one of the two vCPUs for " +
+	"25–43 ms at a time (938 ms of CPU in 70 s). With kdamond stopped, two rounds of pepsi and the raw loop gave done p99 " +
+	"at 20/s of 3.87 and 2.97 ms (raw loop 3.13, 3.47) against 3.71–5.57 ms with it running, start p99 2.34 and 1.77 " +
+	"against 2.49–4.02. It is the machine's, not a system's, so the latency runs stop it (`-pause-damon`, quiet.go) and " +
+	"W3d shows the tails with it running; autovacuum is kept out the same way (every database vacuumed before each latency " +
+	"run, and the run sampled for workers). The outcome's commit is the other tail: its WAL flush took 3.7–4.4 ms in " +
+	"three of the seven slowest messages of one traced run. Not Go's " +
 	"GC (`GODEBUG=gctrace=1`: at 20/s neither the dispatcher nor the worker collected once in the run; at 200/s five " +
-	"collections in 10 s, stopping the world 0.1–0.2 ms each), not a timer (LISTEN/NOTIFY wakes the claim); and the raw " +
-	"loop, which has no dispatcher or pipe, has the same spread of tails."
+	"collections in 10 s, stopping the world 0.1–0.2 ms each), not a timer (LISTEN/NOTIFY wakes the claim), not the " +
+	"dispatcher's statistics write (once a second when idle; 17 of 1,200 messages overlapped one, only one of the 20 " +
+	"slowest); and the raw loop, which has no dispatcher or pipe, has the same spread of tails."
 
 // w4Targets checks W4 against W1 in every run, not only in the medians: each W4 run's
 // messages/s against a third of W1's median transitions/s (the runs of W1 and W4 are minutes

@@ -497,17 +497,21 @@ func (b *bench) continuousRun(ctx context.Context, s *system, run int) (m measur
 
 // latencyResult is one latency run: enqueue -> first stage start, enqueue -> done, in ms.
 type latencyResult struct {
-	Workload  string
-	System    string
-	Rate      int
-	Stages    int
-	Sent      int
-	Start     []float64   // sorted
-	Done      []float64   // sorted
-	CPUPerSec float64     // ms of CPU per second of the run: the system and PostgreSQL, idle time included
-	OtherPct  float64     // CPU of processes outside the benchmark and PostgreSQL meanwhile, % of the machine
-	Hops      [][]float64 // -trace-latency, pepsi: per hop of hopNames, sorted ms
-	Err       string
+	Workload   string
+	System     string
+	Rate       int
+	Stages     int
+	Sent       int
+	Start      []float64   // sorted
+	Done       []float64   // sorted
+	CPUPerSec  float64     // ms of CPU per second of the run: the system and PostgreSQL, idle time included
+	OtherPct   float64     // CPU of processes outside the benchmark and PostgreSQL meanwhile, % of the machine
+	AutovacPct float64     // share of the run's autovacuum samples with a worker busy, % (quiet.go)
+	Autovac    []string    // what those workers vacuumed ("bench_river: VACUUM public.river_job")
+	DAMON      string      // the machine's kdamond: "stopped" for the run, "on", or "" (none)
+	KdamondMS  float64     // its CPU time during the run
+	Hops       [][]float64 // -trace-latency, pepsi: per hop of hopNames, sorted ms
+	Err        string
 }
 
 // W3: single inserts at 20/s and 200/s; latency to stage start and to done.
@@ -521,8 +525,25 @@ func (b *bench) w3(ctx context.Context) error {
 			}
 		}
 	}
+	// The same at 20/s with the machine's DAMON left running, for pepsi and the raw loop: what
+	// the kernel's reclaim does to the tails (quiet.go).
+	if !b.pauseDamon || !damonRunning() {
+		return nil
+	}
+	for _, s := range b.systemsFor("W3") {
+		if s.name != "pepsi" && s.name != "raw" {
+			continue
+		}
+		b.res.addLatency(b.latencyRun(ctx, s, w3DamonOn, 20, b.sz.w3Duration[20], 1))
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+	}
 	return nil
 }
+
+// w3DamonOn is the workload name of W3's context runs with DAMON running.
+const w3DamonOn = "W3d"
 
 func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, dur time.Duration, stages int) (l latencyResult) {
 	l = latencyResult{Workload: wl, System: s.name, Rate: rate, Stages: stages}
@@ -530,9 +551,9 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 		if l.Err != "" {
 			logf("  %s %d/s %-14s FAILED: %s", wl, rate, s.name, l.Err)
 		} else {
-			logf("  %s %d/s %-14s %d sent; start p50 %.2f p99 %.2f max %.2f ms; done p50 %.2f p99 %.2f max %.2f ms  other load %.0f%%",
+			logf("  %s %d/s %-14s %d sent; start p50 %.2f p99 %.2f max %.2f ms; done p50 %.2f p99 %.2f max %.2f ms  other load %.0f%%  autovacuum %.0f%% %v  DAMON %q kdamond %.0f ms",
 				wl, rate, s.name, l.Sent, pct(l.Start, 50), pct(l.Start, 99), pct(l.Start, 100),
-				pct(l.Done, 50), pct(l.Done, 99), pct(l.Done, 100), l.OtherPct)
+				pct(l.Done, 50), pct(l.Done, 99), pct(l.Done, 100), l.OtherPct, l.AutovacPct, l.Autovac, l.DAMON, l.KdamondMS)
 		}
 	}()
 	fail := func(err error) latencyResult {
@@ -550,6 +571,17 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 			logf("drop the done trigger: %v", err)
 		}
 	}()
+	b.quiesce(ctx)
+	if damonRunning() {
+		l.DAMON = "on"
+		if b.pauseDamon && wl != w3DamonOn {
+			restore, n := pauseDAMON()
+			defer restore()
+			if n > 0 {
+				l.DAMON = "stopped"
+			}
+		}
+	}
 	b.pg.checkpoint(ctx)
 	var traceOff int64
 	if b.traceLatency && s.kind == kindPepsi {
@@ -631,6 +663,9 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 		return fail(fmt.Errorf("warm-up: %w", err))
 	}
 	enq := make(map[int64]time.Time, total)
+	av := b.sampleAutovacuum(ctx)
+	defer av.stop()
+	k0 := kdamondMS()
 	s0 := b.snap(ctx, p)
 	sent, err := sendOpenLoop(ctx, s, total, interval, 1, stages, func(key int64) {
 		enq[key] = time.Now() // the INSERT has committed: the message exists from here
@@ -645,6 +680,8 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 		return fail(ctx.Err())
 	}
 	s1 := b.snap(ctx, p)
+	l.AutovacPct, l.Autovac = av.finish()
+	l.KdamondMS = kdamondMS() - k0
 	var m measurement
 	fill(&m, s0, s1)
 	m.Transitions = int64(total * stages)
