@@ -124,8 +124,9 @@ type bench struct {
 	graphileConcurrency int
 	graphileLocalQueue  int
 	graphile            graphileEnv
-	traceLatency        bool // see the -trace-latency flag
-	pauseDamon          bool // see the -pause-damon flag (quiet.go)
+	traceLatency        bool     // see the -trace-latency flag
+	pauseDamon          bool     // see the -pause-damon flag (quiet.go)
+	damonStopped        []string // the DAMON state files stopped for the run
 
 	mu    sync.Mutex
 	procs []*sutProc // every system process started, for the cleanup
@@ -159,7 +160,7 @@ func benchMain() int {
 	w1 := flag.Int64("w1-messages", 0, "messages of the W1 backlog (default: the mode's size)")
 	w4 := flag.Int64("w4-messages", 0, "messages of the W4 backlog (default: the mode's size)")
 	trace := flag.Bool("trace-latency", false, "latency runs: log every statement of pepsi's database, run its dispatcher and workers with GODEBUG=gctrace=1, and write each message's times to logs/*.latency.csv (use with -keep)")
-	damon := flag.Bool("pause-damon", true, "stop the kernel's DAMON (kdamond) during each latency run and start it again after, and run W3 at 20/s once more for pepsi and the raw loop with it running (W3d); see quiet.go")
+	damon := flag.Bool("pause-damon", true, "stop the kernel's DAMON (kdamond) for the run and start it again at the end, and run W3 at 20/s once more for pepsi and the raw loop with it running (W3d); see quiet.go")
 	gp := flag.Int("graphile-processes", graphileTunedProcesses, "Graphile Worker tuned: runner processes")
 	gc := flag.Int("graphile-concurrency", graphileTunedConcurrency, "Graphile Worker tuned: concurrentJobs of each process")
 	gl := flag.Int("graphile-local-queue", graphileTunedLocalQueue, "Graphile Worker tuned: localQueue.size of each process")
@@ -297,6 +298,12 @@ func (b *bench) run(ctx context.Context, outPath, svgPath string) error {
 	}
 	if err := b.build(ctx); err != nil {
 		return err
+	}
+	if b.pauseDamon {
+		if b.damonStopped = pauseDAMON(); len(b.damonStopped) > 0 {
+			logf("stopped the kernel's DAMON for the run (-pause-damon; quiet.go); it starts again at the end")
+			defer setDAMON(b.damonStopped, "on")
+		}
 	}
 	logf("starting a private PostgreSQL cluster in %s", filepath.Join(b.tmp, "pg"))
 	if b.pg, err = startCluster(ctx, b.root, filepath.Join(b.tmp, "pg")); err != nil {

@@ -15,10 +15,11 @@
 // that run 95 wake-ups waited more than 1 ms, the benchmark's own producer and listener
 // among them, and the slowest messages were those. W3 at 20/s with kdamond stopped, two
 // rounds of pepsi and the raw loop: done p99 3.87 and 2.97 ms against 3.71-5.57 ms with it
-// running. It is the machine's, not any system's, so by default (-pause-damon) the latency
-// runs stop it and start it again afterwards; W3 at 20/s then runs once more for pepsi and
-// the raw loop with it running ("W3d"), so that the report shows both, and each latency run
-// records kdamond's CPU time.
+// running. It is the machine's, not any system's, and a burst in a backlog run of two seconds
+// takes a few per cent from whichever system runs then, so by default (-pause-damon) the
+// benchmark stops it for the whole run and starts it again at the end; W3 at 20/s then runs
+// once more for pepsi and the raw loop with it running ("W3d"), so that the report shows
+// both, and each latency run records kdamond's CPU time.
 package main
 
 import (
@@ -34,9 +35,9 @@ import (
 // damonStates are the kdamond state files of the DAMON sysfs interface.
 const damonStates = "/sys/kernel/mm/damon/admin/kdamonds/*/state"
 
-// pauseDAMON stops every running kdamond and returns what starts them again (a no-op when
+// pauseDAMON stops every running kdamond and returns the state files it stopped (none when
 // there was none, or they cannot be stopped: not root, no DAMON).
-func pauseDAMON() (restore func(), paused int) {
+func pauseDAMON() []string {
 	files, _ := filepath.Glob(damonStates)
 	var stopped []string
 	for _, f := range files {
@@ -45,21 +46,24 @@ func pauseDAMON() (restore func(), paused int) {
 			continue
 		}
 		if err := os.WriteFile(f, []byte("off"), 0); err != nil {
-			logf("  stop DAMON (%s): %v: its kdamond keeps running", f, err)
+			logf("stop DAMON (%s): %v: its kdamond keeps running", f, err)
 			continue
 		}
 		stopped = append(stopped, f)
 	}
-	return func() {
-		for _, f := range stopped {
-			if err := os.WriteFile(f, []byte("on"), 0); err != nil {
-				logf("  start DAMON again (%s): %v: write \"on\" to it by hand", f, err)
-			}
-		}
-	}, len(stopped)
+	return stopped
 }
 
-// damonRunning reports whether a kdamond is on (the W3d context run needs one).
+// setDAMON writes state ("on", "off") to the state files pauseDAMON stopped.
+func setDAMON(files []string, state string) {
+	for _, f := range files {
+		if err := os.WriteFile(f, []byte(state), 0); err != nil {
+			logf("DAMON %s (%s): %v: write %q to it by hand", state, f, err, state)
+		}
+	}
+}
+
+// damonRunning reports whether a kdamond is on.
 func damonRunning() bool {
 	files, _ := filepath.Glob(damonStates)
 	for _, f := range files {

@@ -334,8 +334,8 @@ func (b *bench) report(chartPath string) string {
 		p("hundreds of thousands of dead rows behind, and a worker waking up mid-run takes one of two cores for seconds); ")
 		p("*autovacuum* is the share of the run, sampled every 250 ms, in which a worker was busy anyway, and what it vacuumed. ")
 		p("*DAMON*: this machine's kernel runs DAMON, a memory monitor whose reclaim thread kdamond takes a vCPU for 25–43 ms at a ")
-		p("time; %s ", map[bool]string{true: "each latency run stops it and starts it again after (`-pause-damon`), and **W3d** is W3 at 20/s once more for pepsi and the raw loop with it running, for comparison;",
-			false: "it ran during every latency run (`-pause-damon=false`);"}[b.pauseDamon])
+		p("time; %s ", map[bool]string{true: "the benchmark stops it for the whole run (`-pause-damon`), and **W3d** is W3 at 20/s once more for pepsi and the raw loop with it running, for comparison;",
+			false: "it ran throughout (`-pause-damon=false`, or none to stop);"}[len(b.damonStopped) > 0])
 		p("the column says whether it ran and its CPU time meanwhile (why: `bench/pipeline/quiet.go`).\n\n")
 		p("| workload | rate | system | messages | start p50 | start p99 | start max | done p50 | done p99 | done max | CPU ms/s | other load | autovacuum | DAMON |\n")
 		p("|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|\n")
@@ -500,7 +500,12 @@ func (b *bench) report(chartPath string) string {
 	p("Graphile Worker's own migrations (`runMigrations`) for each Graphile Worker, `CREATE EXTENSION pgq` for PgQ (Debian's ")
 	p("`postgresql-15-pgq3`, installed under /usr/lib/postgresql/15, the server the cluster runs). ")
 	p("Before every measured run the queue table is emptied (`TRUNCATE`, `VACUUM ANALYZE`; W5: the previous run's rows ")
-	p("deleted) and a `CHECKPOINT` is taken; the systems' order rotates from run to run.\n")
+	p("deleted) and a `CHECKPOINT` is taken; the systems' order rotates from run to run. ")
+	if len(b.damonStopped) > 0 {
+		p("The machine's DAMON reclaim thread (kdamond) was stopped for the whole run but for W3d (`-pause-damon`, `quiet.go`).\n")
+	} else {
+		p("The kernel's DAMON, if the machine runs it, was left alone (`-pause-damon=false`, or it could not be stopped).\n")
+	}
 	p("- **pepsi-dispatch**: the real binary (`CGO_ENABLED=0 go build`), a fresh dispatcher per run, the stage program ")
 	p("`bench/pipeline/stage` built with the SDK (Advance to NEXT, or Done). A budget of %d worker processes, ",
 		b.pepsiWorkers)

@@ -527,7 +527,7 @@ func (b *bench) w3(ctx context.Context) error {
 	}
 	// The same at 20/s with the machine's DAMON left running, for pepsi and the raw loop: what
 	// the kernel's reclaim does to the tails (quiet.go).
-	if !b.pauseDamon || !damonRunning() {
+	if len(b.damonStopped) == 0 {
 		return nil
 	}
 	for _, s := range b.systemsFor("W3") {
@@ -572,15 +572,14 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 		}
 	}()
 	b.quiesce(ctx)
+	if wl == w3DamonOn {
+		setDAMON(b.damonStopped, "on")
+		defer setDAMON(b.damonStopped, "off")
+	}
 	if damonRunning() {
 		l.DAMON = "on"
-		if b.pauseDamon && wl != w3DamonOn {
-			restore, n := pauseDAMON()
-			defer restore()
-			if n > 0 {
-				l.DAMON = "stopped"
-			}
-		}
+	} else if len(b.damonStopped) > 0 {
+		l.DAMON = "stopped"
 	}
 	b.pg.checkpoint(ctx)
 	var traceOff int64
