@@ -31,6 +31,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"pepsi-dispatch/internal/damon"
 )
 
 func main() {
@@ -300,9 +302,18 @@ func (b *bench) run(ctx context.Context, outPath, svgPath string) error {
 		return err
 	}
 	if b.pauseDamon {
-		if b.damonStopped = pauseDAMON(); len(b.damonStopped) > 0 {
+		var errs []error
+		b.damonStopped, errs = damon.Pause()
+		for _, err := range errs {
+			logf("%v: its kdamond keeps running", err)
+		}
+		if len(b.damonStopped) > 0 {
 			logf("stopped the kernel's DAMON for the run (-pause-damon; quiet.go); it starts again at the end")
-			defer setDAMON(b.damonStopped, "on")
+			defer func() {
+				if err := damon.Set(b.damonStopped, "on"); err != nil {
+					logf("%v", err)
+				}
+			}()
 		}
 	}
 	logf("starting a private PostgreSQL cluster in %s", filepath.Join(b.tmp, "pg"))

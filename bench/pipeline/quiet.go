@@ -24,75 +24,15 @@ package main
 
 import (
 	"context"
-	"os"
-	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
+
+	"pepsi-dispatch/internal/damon"
 )
 
-// damonStates are the kdamond state files of the DAMON sysfs interface.
-const damonStates = "/sys/kernel/mm/damon/admin/kdamonds/*/state"
-
-// pauseDAMON stops every running kdamond and returns the state files it stopped (none when
-// there was none, or they cannot be stopped: not root, no DAMON).
-func pauseDAMON() []string {
-	files, _ := filepath.Glob(damonStates)
-	var stopped []string
-	for _, f := range files {
-		b, err := os.ReadFile(f)
-		if err != nil || strings.TrimSpace(string(b)) != "on" {
-			continue
-		}
-		if err := os.WriteFile(f, []byte("off"), 0); err != nil {
-			logf("stop DAMON (%s): %v: its kdamond keeps running", f, err)
-			continue
-		}
-		stopped = append(stopped, f)
-	}
-	return stopped
-}
-
-// setDAMON writes state ("on", "off") to the state files pauseDAMON stopped.
-func setDAMON(files []string, state string) {
-	for _, f := range files {
-		if err := os.WriteFile(f, []byte(state), 0); err != nil {
-			logf("DAMON %s (%s): %v: write %q to it by hand", state, f, err, state)
-		}
-	}
-}
-
-// damonRunning reports whether a kdamond is on.
-func damonRunning() bool {
-	files, _ := filepath.Glob(damonStates)
-	for _, f := range files {
-		if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) == "on" {
-			return true
-		}
-	}
-	return false
-}
-
-// kdamondMS is the CPU time (utime + stime) of the kdamond kernel threads so far, in ms.
-func kdamondMS() float64 {
-	ents, _ := os.ReadDir("/proc")
-	var ticks int64
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		comm, err := os.ReadFile(filepath.Join("/proc", e.Name(), "comm"))
-		if err != nil || !strings.HasPrefix(string(comm), "kdamond") {
-			continue
-		}
-		if st, err := readProcStat(pid); err == nil {
-			ticks += st.utime + st.stime
-		}
-	}
-	return float64(ticks * msPerTick)
-}
+// kdamondMS is the CPU time of the kdamond threads so far, in ms.
+func kdamondMS() float64 { return float64(damon.CPUTicks() * msPerTick) }
 
 // quietTimeout bounds the wait for autovacuum to finish before a latency run: past it the run
 // starts anyway (the sampler then shows the worker in the report).

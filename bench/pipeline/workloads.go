@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"pepsi-dispatch/internal/damon"
 )
 
 // snapshot is the state of the counters at one instant.
@@ -573,10 +575,16 @@ func (b *bench) latencyRun(ctx context.Context, s *system, wl string, rate int, 
 	}()
 	b.quiesce(ctx)
 	if wl == w3DamonOn {
-		setDAMON(b.damonStopped, "on")
-		defer setDAMON(b.damonStopped, "off")
+		if err := damon.Set(b.damonStopped, "on"); err != nil {
+			logf("  %v", err)
+		}
+		defer func() {
+			if err := damon.Set(b.damonStopped, "off"); err != nil {
+				logf("  %v", err)
+			}
+		}()
 	}
-	if damonRunning() {
+	if damon.Running() {
 		l.DAMON = "on"
 	} else if len(b.damonStopped) > 0 {
 		l.DAMON = "stopped"

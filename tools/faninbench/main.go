@@ -53,6 +53,7 @@ import (
 	"math"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -63,6 +64,7 @@ import (
 
 	"github.com/lib/pq"
 
+	"pepsi-dispatch/internal/damon"
 	"pepsi-dispatch/internal/schemafile"
 )
 
@@ -79,11 +81,42 @@ var (
 	explain   = flag.Duration("explain", 0, "log EXPLAIN ANALYZE of statements (nested too) slower than this to the server log (diagnosis; slows everything)")
 	keep      = flag.Bool("keep", false, "keep the work directory (binaries, cluster, logs)")
 	stmts     = flag.Int("statements", 0, "report the N statements (nested too, by pg_stat_statements) with the most server time per arm of (c) (diagnosis)")
+	noDamon   = flag.Bool("pause-damon", true, "stop the kernel's DAMON (kdamond), if the machine runs it, while measuring, and start it again at the end (internal/damon)")
 )
 
 func main() {
 	flag.Parse()
+	os.Exit(runMain())
+}
+
+// runMain is main's body, whose deferred calls (DAMON started again) run before the exit.
+func runMain() int {
 	b := &bench{}
+	if *noDamon {
+		// The machine's reclaim bursts (internal/damon) would land in one arm or the other.
+		stopped, errs := damon.Pause()
+		for _, err := range errs {
+			fmt.Fprintf(os.Stderr, "faninbench: %v: its kdamond keeps running\n", err)
+		}
+		if len(stopped) > 0 {
+			b.notes = append(b.notes, "the kernel's DAMON (kdamond) stopped while measuring (-pause-damon)")
+			// An interrupt must not leave the machine without it.
+			sig := make(chan os.Signal, 1)
+			signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
+			go func() {
+				<-sig
+				if err := damon.Set(stopped, "on"); err != nil {
+					fmt.Fprintf(os.Stderr, "faninbench: %v\n", err)
+				}
+				os.Exit(130)
+			}()
+			defer func() {
+				if err := damon.Set(stopped, "on"); err != nil {
+					fmt.Fprintf(os.Stderr, "faninbench: %v\n", err)
+				}
+			}()
+		}
+	}
 	err := b.run()
 	b.cleanup()
 	if err != nil {
@@ -91,8 +124,9 @@ func main() {
 		if b.daemonLog != "" {
 			fmt.Fprintf(os.Stderr, "daemon log: %s\n", b.daemonLog)
 		}
-		os.Exit(1)
+		return 1
 	}
+	return 0
 }
 
 type bench struct {
