@@ -5,6 +5,7 @@ package main
 import (
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 )
 
@@ -63,8 +64,31 @@ func (b *bench) targets(w *strings.Builder) {
 	p := func(format string, args ...any) { fmt.Fprintf(w, format, args...) }
 	p("| target | measured | |\n|---|---|---|\n")
 	if pe, pc := r.summary("W1", "pepsi"), r.summary("W1", consoleSystem); b.want("W1") && !math.IsNaN(pc.rate) && !math.IsNaN(pe.rate) {
-		p("| W1 with the web console's overview loaded every second ≥ 97 %% of W1 (issue 21) | %s vs %s transitions/s = %.1f %%; CPU %s vs %s ms per 1,000 | %s |\n",
-			f0(pc.rate), f0(pe.rate), 100*pc.rate/pe.rate, f1(pc.cpu1k), f1(pe.cpu1k), verdict(pc.rate >= 0.97*pe.rate))
+		// The verdict is on the median of the runs' own ratios: in a run the two measure a few
+		// seconds apart (adjacent in the rotation but once), so the machine's drift over the
+		// minutes of W1, which moves every system's runs together, cancels out in each pair, as
+		// in tools/faninbench; the medians' ratio is shown beside it.
+		var ratios []float64
+		for _, a := range r.meas {
+			if a.Workload != "W1" || a.System != consoleSystem || a.Err != "" {
+				continue
+			}
+			for _, q := range r.meas {
+				if q.Workload == "W1" && q.System == "pepsi" && q.Run == a.Run && q.Err == "" && q.rate() > 0 {
+					ratios = append(ratios, a.rate()/q.rate())
+				}
+			}
+		}
+		if len(ratios) > 0 {
+			slices.Sort(ratios)
+			paired := median(ratios)
+			var each []string
+			for _, x := range ratios {
+				each = append(each, fmt.Sprintf("%.1f", 100*x))
+			}
+			p("| W1 with the web console's overview loaded every second ≥ 97 %% of W1 (issue 21): the median of each run's ratio | %.1f %% (runs, sorted: %s %%); the medians' ratio %s vs %s transitions/s = %.1f %%; CPU %s vs %s ms per 1,000 | %s |\n",
+				100*paired, strings.Join(each, ", "), f0(pc.rate), f0(pe.rate), 100*pc.rate/pe.rate, f1(pc.cpu1k), f1(pe.cpu1k), verdict(paired >= 0.97))
+		}
 	}
 	for _, wl := range []string{"W1", "W2"} {
 		if !b.want(wl) {
