@@ -38,8 +38,8 @@ func kdamondMS() float64 { return float64(damon.CPUTicks() * msPerTick) }
 // starts anyway (the sampler then shows the worker in the report).
 const quietTimeout = 2 * time.Minute
 
-// quiesce vacuums the queue tables of every system (so that autovacuum finds nothing to do in
-// the next minutes) and waits until no autovacuum worker runs.
+// quiesce vacuums and analyzes every system's database (so that autovacuum finds nothing to do
+// in the next minutes) and waits until no autovacuum worker runs.
 func (b *bench) quiesce(ctx context.Context) {
 	seen := map[string]bool{}
 	for _, s := range b.systems {
@@ -48,8 +48,11 @@ func (b *bench) quiesce(ctx context.Context) {
 		}
 		seen[s.dbname] = true
 		// The whole database: River's and Graphile Worker's schemas have more than the
-		// queue table (leaders, queues, known crontabs) that their runs churned too.
-		if _, err := s.pool.Exec(ctx, "VACUUM"); err != nil {
+		// queue table (leaders, queues, known crontabs) that their runs churned too. ANALYZE
+		// as well: autovacuum analyzes a table after enough changes since its last ANALYZE,
+		// which a plain VACUUM does not reset (in a full run, an autovacuum ANALYZE of
+		// river_job ran during pepsi's W3 at 20/s after a plain VACUUM).
+		if _, err := s.pool.Exec(ctx, "VACUUM ANALYZE"); err != nil {
 			logf("  vacuum %s before a latency run: %v", s.dbname, err)
 		}
 	}
