@@ -330,7 +330,7 @@ func (b *bench) report(chartPath string) string {
 		p("after that transaction committed, so done includes the commit and is measured the same way for all. ")
 		p("Milliseconds. CPU is that of the system and of PostgreSQL (all its processes) per second of the run, in ms/s; ")
 		p("*other load* as in the cost table (the tails are sensitive to it: one run each). Before every latency run each ")
-		p("benchmark database is vacuumed and the run waits until no autovacuum worker runs (the backlog workloads leave ")
+		p("benchmark database is vacuumed and analyzed and the run waits until no autovacuum worker runs (the backlog workloads leave ")
 		p("hundreds of thousands of dead rows behind, and a worker waking up mid-run takes one of two cores for seconds); ")
 		p("*autovacuum* is the share of the run, sampled every 250 ms, in which a worker was busy anyway, and what it vacuumed. ")
 		p("*DAMON*: this machine's kernel runs DAMON, a memory monitor whose reclaim thread kdamond takes a vCPU for 25–43 ms at a ")

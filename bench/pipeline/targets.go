@@ -224,7 +224,7 @@ const w3TailNote = "**Where W3's time and tail go** (pepsi, measured apart from 
 	"25–43 ms at a time (938 ms of CPU in 70 s). With kdamond stopped, two rounds of pepsi and the raw loop gave done p99 " +
 	"at 20/s of 3.87 and 2.97 ms (raw loop 3.13, 3.47) against 3.71–5.57 ms with it running, start p99 2.34 and 1.77 " +
 	"against 2.49–4.02. It is the machine's, not a system's, so the latency runs stop it (`-pause-damon`, quiet.go) and " +
-	"W3d shows the tails with it running; autovacuum is kept out the same way (every database vacuumed before each latency " +
+	"W3d shows the tails with it running; autovacuum is kept out the same way (every database vacuumed and analyzed before each latency " +
 	"run, and the run sampled for workers). The outcome's commit is the other tail: its WAL flush took 3.7–4.4 ms in " +
 	"three of the seven slowest messages of one traced run. Not Go's " +
 	"GC (`GODEBUG=gctrace=1`: at 20/s neither the dispatcher nor the worker collected once in the run; at 200/s five " +
