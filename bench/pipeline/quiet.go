@@ -4,7 +4,7 @@
 // cluster (River's and Graphile Worker's tables are left with hundreds of thousands of dead
 // rows by the backlog workloads before), takes one of the machine's two cores for seconds and
 // puts its mark on whichever system happens to run then. So before each latency run every
-// benchmark database is vacuumed and the run waits for autovacuum to be idle, and during the
+// benchmark database is vacuumed and analyzed and the run waits for autovacuum to be idle, and during the
 // run a sampler records whether an autovacuum worker was busy, which the report shows beside
 // the tails.
 //
@@ -24,6 +24,7 @@ package main
 
 import (
 	"context"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -58,7 +59,7 @@ func (b *bench) quiesce(ctx context.Context) {
 	}
 	deadline := time.Now().Add(quietTimeout)
 	for {
-		n, _ := b.autovacuumWorkers(ctx)
+		n := len(b.autovacuumWorkers(ctx))
 		if n == 0 {
 			return
 		}
@@ -73,9 +74,9 @@ func (b *bench) quiesce(ctx context.Context) {
 	}
 }
 
-// autovacuumWorkers returns the number of autovacuum workers running and what they do
+// autovacuumWorkers returns what the autovacuum workers running do, one entry each
 // (pg_stat_activity's query: "autovacuum: VACUUM public.river_job").
-func (b *bench) autovacuumWorkers(ctx context.Context) (int, []string) {
+func (b *bench) autovacuumWorkers(ctx context.Context) []string {
 	rows, err := b.pg.admin.Query(ctx,
 		`SELECT coalesce(datname, '') || ': ' || coalesce(query, '') FROM pg_stat_activity
 		  WHERE backend_type = 'autovacuum worker'`)
@@ -83,7 +84,7 @@ func (b *bench) autovacuumWorkers(ctx context.Context) (int, []string) {
 		if ctx.Err() == nil {
 			logf("  read autovacuum workers: %v", err)
 		}
-		return 0, nil
+		return nil
 	}
 	defer rows.Close()
 	var what []string
@@ -93,7 +94,10 @@ func (b *bench) autovacuumWorkers(ctx context.Context) (int, []string) {
 			what = append(what, strings.TrimPrefix(q, "autovacuum: "))
 		}
 	}
-	return len(what), what
+	if err := rows.Err(); err != nil && ctx.Err() == nil {
+		logf("  read autovacuum workers: %v", err)
+	}
+	return what
 }
 
 // avSampler watches autovacuum during a latency run: every avSampleEvery it asks once (a
@@ -122,12 +126,12 @@ func (b *bench) sampleAutovacuum(ctx context.Context) *avSampler {
 				return
 			case <-t.C:
 			}
-			n, what := b.autovacuumWorkers(ctx)
+			what := b.autovacuumWorkers(ctx)
 			if ctx.Err() != nil {
 				return
 			}
 			a.samples++
-			if n > 0 {
+			if len(what) > 0 {
 				a.busy++
 			}
 			for _, w := range what {
@@ -147,6 +151,7 @@ func (a *avSampler) finish() (float64, []string) {
 	for w := range a.tables {
 		what = append(what, w)
 	}
+	slices.Sort(what) // the report's order, not the map's
 	if a.samples == 0 {
 		return 0, what
 	}

@@ -73,19 +73,19 @@ import (
 )
 
 var (
-	splitN    = flag.Int("split", 100000, "children of the split measurement (a)")
-	idleReps  = flag.Int("idle", 200, "repetitions of the idle wake-latency measurement (b)")
-	idleSize  = flag.Int("idle-size", 4, "children per group in the idle measurement")
-	burstN    = flag.Int("burst", 10000, "child completions in the burst (b)")
-	burstSize = flag.Int("burst-size", 20, "children per group in the burst")
-	tputN     = flag.Int("n", 20000, "messages per throughput repetition (c)")
-	tputGroup = flag.Int("group", 100, "children per group in the fan-in arm of (c)")
-	reps      = flag.Int("reps", 9, "repetitions of each arm of (c), alternating")
-	phases    = flag.String("phases", "abc", "which measurements to make: a (split), b (wake latency), c (throughput)")
-	explain   = flag.Duration("explain", 0, "log EXPLAIN ANALYZE of statements (nested too) slower than this to the server log (diagnosis; slows everything)")
-	keep      = flag.Bool("keep", false, "keep the work directory (binaries, cluster, logs)")
-	stmts     = flag.Int("statements", 0, "report the N statements (nested too, by pg_stat_statements) with the most server time per arm of (c) (diagnosis)")
-	noDamon   = flag.Bool("pause-damon", true, "stop the kernel's DAMON (kdamond), if the machine runs it, while measuring, and start it again at the end (internal/damon)")
+	splitN     = flag.Int("split", 100000, "children of the split measurement (a)")
+	idleReps   = flag.Int("idle", 200, "repetitions of the idle wake-latency measurement (b)")
+	idleSize   = flag.Int("idle-size", 4, "children per group in the idle measurement")
+	burstN     = flag.Int("burst", 10000, "child completions in the burst (b)")
+	burstSize  = flag.Int("burst-size", 20, "children per group in the burst")
+	tputN      = flag.Int("n", 20000, "messages per throughput repetition (c)")
+	tputGroup  = flag.Int("group", 100, "children per group in the fan-in arm of (c)")
+	reps       = flag.Int("reps", 9, "repetitions of each arm of (c), alternating")
+	phases     = flag.String("phases", "abc", "which measurements to make: a (split), b (wake latency), c (throughput)")
+	explain    = flag.Duration("explain", 0, "log EXPLAIN ANALYZE of statements (nested too) slower than this to the server log (diagnosis; slows everything)")
+	keep       = flag.Bool("keep", false, "keep the work directory (binaries, cluster, logs)")
+	stmts      = flag.Int("statements", 0, "report the N statements (nested too, by pg_stat_statements) with the most server time per arm of (c) (diagnosis)")
+	pauseDamon = flag.Bool("pause-damon", true, "stop the kernel's DAMON (kdamond), if the machine runs it, while measuring, and start it again at the end (internal/damon)")
 )
 
 func main() {
@@ -96,7 +96,7 @@ func main() {
 // runMain is main's body, whose deferred calls (DAMON started again) run before the exit.
 func runMain() int {
 	b := &bench{}
-	if *noDamon {
+	if *pauseDamon {
 		// The machine's reclaim bursts (internal/damon) would land in one arm or the other.
 		stopped, errs := damon.Pause()
 		for _, err := range errs {
