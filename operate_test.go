@@ -748,3 +748,54 @@ func TestPauseFusedStage(t *testing.T) {
 		t.Errorf("%d (message, stage) pairs ran other than once", bad)
 	}
 }
+
+// TestOperatePlansStaleStatistics: the operator's actions by id are plpgsql and SQL functions,
+// and plpgsql keeps a generic plan after five calls, planned for the table as it was then (the
+// console's pooled sessions make many calls). The split functions' generic plans scanned
+// the table whole once it had grown (TestFaninSplitPlansStaleStatistics); the actions must
+// go on finding their rows by key: a session acts on a small table until the plans are
+// generic, the table grows a thousandfold without an ANALYZE, and the same actions then scan
+// neither workqueue nor fanout sequentially (the transaction's own counters).
+func TestOperatePlansStaleStatistics(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `ALTER TABLE workqueue SET (autovacuum_enabled = false)`)
+	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'a', 'pending' FROM generate_series(1, 100)`)
+	s.exec(t, `ANALYZE workqueue`)
+	s.exec(t, `ANALYZE fanout`)
+	ctx := context.Background()
+	tx, err := s.DB.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	seqScans := func() (n int64) {
+		t.Helper()
+		if err := tx.QueryRowContext(ctx, `SELECT coalesce(sum(seq_scan), 0) FROM pg_stat_xact_user_tables
+		    WHERE relid IN ('workqueue'::regclass, 'fanout'::regclass)`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	// round acts on ids: hold, release, hold, cancel, retry, cancel, delete; and shows them.
+	round := func(ids []int64, check bool) {
+		t.Helper()
+		for _, action := range []string{"hold", "release", "hold", "cancel", "retry", "cancel", "delete", "show"} {
+			before := seqScans()
+			if _, err := tx.ExecContext(ctx, `SELECT * FROM queue_`+action+`($1)`, pq.Array(ids)); err != nil {
+				t.Fatalf("queue_%s: %v", action, err)
+			}
+			if n := seqScans() - before; check && n != 0 {
+				t.Fatalf("queue_%s on a table grown since its statistics: %d sequential scans of workqueue or fanout, want none", action, n)
+			}
+		}
+	}
+	for i := int64(0); i < 10; i++ {
+		round([]int64{1 + 3*i, 2 + 3*i, 3 + 3*i}, false)
+	}
+	if _, err := tx.ExecContext(ctx, `INSERT INTO workqueue (stage) SELECT 'a' FROM generate_series(1, 100000)`); err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(0); i < 10; i++ {
+		round([]int64{50001 + 3*i, 50002 + 3*i, 50003 + 3*i}, true)
+	}
+}
