@@ -495,7 +495,8 @@ class Message:
         args += [self.id, self._srv.cfg.stage]
         try:
             cur = self._batch.execute(self._index, "UPDATE workqueue SET " + ", ".join(sets) +
-                                      " WHERE workqueue_id = %s AND status = 'running' AND stage = %s", args)
+                                      " WHERE workqueue_id = %s AND status = 'running' AND stage = %s", args,
+                                      prepare=False)  # _UNPREPARED
         except psycopg.Error as e:
             self._write_error = e
             raise
@@ -522,7 +523,7 @@ class Message:
         try:
             # p_state NULL keeps the row's state; otherwise it replaces it, and it is the
             # whole state as loaded plus the handler's changes.
-            row = self._batch.execute(self._index, query, args(state)).fetchone()
+            row = self._batch.execute(self._index, query, args(state), prepare=False).fetchone()  # _UNPREPARED
         except psycopg.Error as e:
             if getattr(e, "sqlstate", None) == _SQL_CLAIM_GONE:
                 err = ClaimLost(f"{what}, message {self.id}: {e.diag.message_primary} (claim lost)")
@@ -566,14 +567,23 @@ class _Batch:
         self.open_index = index
         self.last = name
 
-    def execute(self, index: int, query: Any, params: Any) -> psycopg.Cursor:
+    def execute(self, index: int, query: Any, params: Any, prepare: Optional[bool] = None) -> psycopg.Cursor:
         self.open_savepoint(index)
-        return self.srv.conn.execute(query, params)
+        return self.srv.conn.execute(query, params, prepare=prepare)
 
     def rollback_message(self, index: int) -> None:
         if self.open_index == index:
             self.srv.statement(f"ROLLBACK TO SAVEPOINT pepsi_msg_{index}")
 
+
+# _UNPREPARED: the SDK's statements on the queue table are sent unprepared (prepare=False),
+# never as server-side prepared statements, which psycopg makes of any statement run five
+# times. A prepared statement gets a generic plan, made for the table as it was then, and a
+# queue table's statistics always lag: a worker started on a small queue kept a plan that
+# scanned the table whole at every batch once it had grown, until the next ANALYZE (the
+# Go SDK's statements are unnamed too). An unnamed statement is planned for its values, at
+# a planning cost of 0.1-0.2 ms for a batch of 500 ids in a warm session (EXPLAIN ANALYZE).
+# test_queue_statements_unprepared checks it.
 
 # The batch's rows as one JSON text, [[id, attempts, payload, state, claim], ...]: decoded by
 # json.loads (C) in one call, where psycopg's pure-Python row loading would cost some 15 µs
@@ -762,7 +772,7 @@ class _Server:
             if ids:
                 self.statements += 1
                 rows = json.loads(self.conn.execute(_LOAD, ("{" + ",".join(map(str, ids)) + "}", self.cfg.stage),
-                                                    prepare=True).fetchone()[0])
+                                                    prepare=False).fetchone()[0])  # _UNPREPARED
                 for r in rows:
                     loaded[r[0]] = r
                 rerun = claims is not None

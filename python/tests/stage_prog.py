@@ -102,6 +102,13 @@ def handle(m: Message) -> None:
     if do == "split_range":
         m.split_range(cfg.next[0], p["child"], p["lo"], p["hi"], min_span=p.get("min_span", 0))
         return
+    if do == "prepared":
+        # The session's server-side prepared statements on the queue table (the query's own
+        # text must not match itself once psycopg prepares it too).
+        m.state["prepared"] = [r[0] for r in m.execute(
+            "SELECT statement FROM pg_prepared_statements WHERE statement LIKE '%work' || 'queue%'").fetchall()]
+        m.done()
+        return
     if do == "fanin":
         r = m.fanin_result()
         m.state["fanin"] = [r.done, r.failed, [c.seq for c in r.failed_children]]

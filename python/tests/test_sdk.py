@@ -269,3 +269,25 @@ def test_split_state(schema: Schema, worker_factory) -> None:
     assert r[ids[1]][3] == {"earlier": 1, "dispatch_error": "x"}
     assert r[ids[2]][3] == {"earlier": 1, "dispatch_error": "x", "new": 3}
     assert all(r[i][:2] == ("b", "waiting") for i in ids)
+
+
+def test_queue_statements_unprepared(schema: Schema, worker_factory) -> None:
+    """The SDK's own statements on the queue table are never prepared on the server. psycopg
+    prepares a statement after five executions, and a prepared statement gets a generic plan,
+    made for the table as it was then: the statistics of a queue table always lag, and a
+    worker that started on a small queue went on scanning the table whole at every batch
+    once it had grown, until the next ANALYZE (the batch's SELECT under PREPARE in psql: a
+    Seq Scan after 100,000 inserts). Unprepared, each statement is planned for its ids."""
+    w = start(schema, worker_factory)
+    for _ in range(8):
+        ids = schema.enqueue("a", [{"do": "advance"}, {"do": "done"}, {"do": "advance", "norecord": True},
+                                   {"do": "split", "child": "kid", "children": [{"n": 1}]}])
+        schema.claim("a", ids)
+        w.send(ids)
+        assert w.replies(len(ids)) == ["0", "0 done", "0", "0"]
+    [probe] = schema.enqueue("a", [{"do": "prepared"}])
+    schema.claim("a", [probe])
+    w.send([probe])
+    assert w.replies(1) == ["0 done"]
+    assert w.close() == 0
+    assert rows(schema, [probe])[probe][3]["prepared"] == []
