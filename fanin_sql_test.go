@@ -1915,22 +1915,8 @@ func TestFaninSplitPlansStaleStatistics(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'old', 'done' FROM generate_series(1, 200)`)
 	s.exec(t, `INSERT INTO fanout (parent_id, expected_n, state) SELECT g, 1, 'fired' FROM generate_series(1, 20) g`)
-	s.exec(t, `ANALYZE workqueue`)
-	s.exec(t, `ANALYZE fanout`)
 	ctx := context.Background()
-	tx, err := s.DB.BeginTx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback()
-	seqScans := func() (n int64) {
-		t.Helper()
-		if err := tx.QueryRowContext(ctx, `SELECT coalesce(sum(seq_scan), 0) FROM pg_stat_xact_user_tables
-		    WHERE relid IN ('workqueue'::regclass, 'fanout'::regclass)`).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		return n
-	}
+	tx, seqScans := staleStatsTx(t, s)
 	// call runs one function call and fails if it scanned either table sequentially.
 	call := func(what, query string, args ...any) {
 		t.Helper()

@@ -760,22 +760,8 @@ func TestOperatePlansStaleStatistics(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, `ALTER TABLE workqueue SET (autovacuum_enabled = false)`)
 	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'a', 'pending' FROM generate_series(1, 100)`)
-	s.exec(t, `ANALYZE workqueue`)
-	s.exec(t, `ANALYZE fanout`)
 	ctx := context.Background()
-	tx, err := s.DB.BeginTx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback()
-	seqScans := func() (n int64) {
-		t.Helper()
-		if err := tx.QueryRowContext(ctx, `SELECT coalesce(sum(seq_scan), 0) FROM pg_stat_xact_user_tables
-		    WHERE relid IN ('workqueue'::regclass, 'fanout'::regclass)`).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		return n
-	}
+	tx, seqScans := staleStatsTx(t, s)
 	// round acts on ids: hold, release, hold, cancel, retry, cancel, delete; and shows them.
 	round := func(ids []int64, check bool) {
 		t.Helper()

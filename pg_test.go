@@ -96,3 +96,27 @@ func writeFile(t testing.TB, dir, name, content string) string {
 	}
 	return p
 }
+
+// staleStatsTx analyzes workqueue and fanout and opens a transaction on s, so that whatever
+// the transaction adds next is missing from the planner's statistics (the plan tests:
+// TestFaninSplitPlansStaleStatistics, TestOperatePlansStaleStatistics). seqScans counts the
+// sequential scans of those two tables that the transaction has made so far
+// (pg_stat_xact_user_tables: a scan counts however small the table). Rolled back at the end.
+func staleStatsTx(t testing.TB, s *testSchema) (tx *sql.Tx, seqScans func() int64) {
+	t.Helper()
+	s.exec(t, `ANALYZE workqueue`)
+	s.exec(t, `ANALYZE fanout`)
+	tx, err := s.DB.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tx.Rollback() })
+	return tx, func() (n int64) {
+		t.Helper()
+		if err := tx.QueryRow(`SELECT coalesce(sum(seq_scan), 0) FROM pg_stat_xact_user_tables
+		    WHERE relid IN ('workqueue'::regclass, 'fanout'::regclass)`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+}
