@@ -344,16 +344,18 @@ class Message:
     # --- the transaction -----------------------------------------------------------------
 
     def execute(self, query: Any, params: Optional[Union[Sequence[Any], Mapping[str, Any]]] = None,
-                ) -> psycopg.Cursor:
+                prepare: Optional[bool] = None) -> psycopg.Cursor:
         """Run a statement in the message's transaction and return its psycopg cursor.
 
         The first statement of a message opens its savepoint (and the batch's first, BEGIN):
         what it writes commits together with the message's outcome, and is rolled back alone
         if the handler fails. Do not COMMIT or ROLLBACK; use %s placeholders (psycopg).
+        ``prepare`` is psycopg's: pass False for a statement on the queue table (see
+        _UNPREPARED).
         """
         if not self._live:
             raise RuntimeError(f"message {self.id}: the handler has already returned")
-        return self._batch.execute(self._index, query, params)
+        return self._batch.execute(self._index, query, params, prepare=prepare)
 
     def executemany(self, query: Any, params_seq: Iterable[Union[Sequence[Any], Mapping[str, Any]]]) -> None:
         """executemany in the message's transaction (see execute)."""

@@ -103,8 +103,12 @@ def handle(m: Message) -> None:
         m.split_range(cfg.next[0], p["child"], p["lo"], p["hi"], min_span=p.get("min_span", 0))
         return
     if do == "prepared":
-        # The session's server-side prepared statements on the queue table (the query's own
-        # text must not match itself once psycopg prepares it too).
+        # A handler's own read of the queue table, unprepared however often it runs
+        # (m.execute's prepare=False), then the session's server-side prepared statements on
+        # the queue table (the query's own text must not match itself once psycopg prepares
+        # it too).
+        for _ in range(6):
+            m.execute("SELECT range_lo, range_hi FROM workqueue WHERE workqueue_id = %s", (m.id,), prepare=False)
         m.state["prepared"] = [r[0] for r in m.execute(
             "SELECT statement FROM pg_prepared_statements WHERE statement LIKE '%work' || 'queue%'").fetchall()]
         m.done()
