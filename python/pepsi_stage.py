@@ -584,7 +584,8 @@ class _Batch:
 # queue table's statistics always lag: a worker started on a small queue kept a plan that
 # scanned the table whole at every batch once it had grown, until the next ANALYZE (the
 # Go SDK's statements are unnamed too). An unnamed statement is planned for its values, at
-# a planning cost of 0.1-0.2 ms for a batch of 500 ids in a warm session (EXPLAIN ANALYZE).
+# a planning cost of 0.1-0.2 ms for 500 ids (a batch holds at most MAX_BATCH) in a warm
+# session (EXPLAIN ANALYZE).
 # test_queue_statements_unprepared checks it.
 
 # The batch's rows as one JSON text, [[id, attempts, payload, state, claim], ...]: decoded by
