@@ -263,7 +263,6 @@ type server struct {
 	views map[string]*server // the fused stages this program implements; shared by the views
 	db    *sql.DB
 	sess  *session
-	load  *sql.Stmt // prepared once, so a batch's load is one round trip
 	log   *slog.Logger
 	// wrote tells whether the last batch began a transaction: the next reads fewer ids.
 	wrote bool
@@ -273,11 +272,8 @@ type server struct {
 	fuseFailures int // a view's fused runs that failed, for rate-limited logging
 }
 
-const loadQuery = `SELECT workqueue_id, attempts, payload, state FROM workqueue
-WHERE workqueue_id = ANY($1::bigint[]) AND status = 'running' AND stage = $2`
-
-// connect opens the worker's one connection, prepares the load statement and makes the views
-// of the fused stages that handlers implement.
+// connect opens the worker's one connection and makes the views of the fused stages that
+// handlers implement.
 func connect(ctx context.Context, cfg Config, handlers map[string]Handler) (*server, error) {
 	pcfg, err := pq.NewConfig(cfg.DSN)
 	if err != nil {
@@ -307,10 +303,6 @@ func connect(ctx context.Context, cfg Config, handlers map[string]Handler) (*ser
 		db.Close()
 		return nil, fmt.Errorf("connect to the database: %w", err)
 	}
-	if srv.load, err = db.PrepareContext(ctx, loadQuery); err != nil {
-		db.Close()
-		return nil, fmt.Errorf("prepare load statement: %w", err)
-	}
 	for name, next := range cfg.Fuse {
 		h := handlers[name]
 		if h == nil || name == cfg.Stage {
@@ -330,7 +322,6 @@ func connect(ctx context.Context, cfg Config, handlers map[string]Handler) (*ser
 func (s *server) close() {
 	// Errors do not matter here: the process is ending or the connection is gone, and closing
 	// the connection rolls back whatever it had open.
-	s.load.Close()
 	s.db.Close()
 }
 

@@ -1253,3 +1253,48 @@ func TestContextCancelled(t *testing.T) {
 		t.Errorf("row became %s", status)
 	}
 }
+
+// TestLoadUnprepared: the worker's session holds no prepared statement on the queue table. A
+// prepared statement's plan goes generic after five executions, made for the table as it was
+// then, and a queue table's statistics always lag: the batch's load, prepared once per
+// connection, kept a plan that scanned the table at every batch once it had grown, until the
+// next ANALYZE (its query under PREPARE in psql: a Seq Scan after 100,000 inserts into a
+// table analyzed at 100 rows). The handler reads its own session's prepared statements.
+func TestLoadUnprepared(t *testing.T) {
+	sch := newSchema(t)
+	var prepared []string
+	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
+		if strings.Contains(string(m.Payload), "probe") {
+			rs, err := m.Tx.QueryContext(ctx, `SELECT statement FROM pg_prepared_statements WHERE statement LIKE '%work' || 'queue%'`)
+			if err != nil {
+				return err
+			}
+			defer rs.Close()
+			for rs.Next() {
+				var q string
+				if err := rs.Scan(&q); err != nil {
+					return err
+				}
+				prepared = append(prepared, q)
+			}
+			if err := rs.Err(); err != nil {
+				return err
+			}
+		}
+		return m.Done()
+	})
+	for range 8 {
+		id := sch.put(t, "a", "running", `{}`)
+		sv.send(t, id)
+		if r := sv.replies(t, 1); r[0] != "0 done" {
+			t.Fatalf("reply %q", r[0])
+		}
+	}
+	sv.send(t, sch.put(t, "a", "running", `{"probe": true}`))
+	if r := sv.replies(t, 1); r[0] != "0 done" {
+		t.Fatalf("probe's reply %q", r[0])
+	}
+	if len(prepared) != 0 {
+		t.Errorf("the worker's session prepared %q on the queue table, want nothing", prepared)
+	}
+}
