@@ -342,10 +342,10 @@ func TestCancelRunningBehindHead(t *testing.T) {
 	waitFor(t, 30*time.Second, "warm-up done", func() bool { return status(t, s, warm) == "done" })
 	head := insertOne(t, s, "a", `{}`)
 	behind := insertOne(t, s, "a", `{}`)
-	waitIdleInTx(t, s) // the head's transaction is open: both are in the worker's queue
-	if st := status(t, s, behind); st != "running" {
-		t.Fatalf("message behind the head is %s, want running", st)
-	}
+	waitIdleInTx(t, s) // the head's transaction is open
+	// The second insert's claim may come after the head's transaction opened (CI saw it
+	// pending here once): wait until both are in the worker's queue.
+	waitFor(t, 30*time.Second, "the message behind the head claimed", func() bool { return status(t, s, behind) == "running" })
 	pids := workerPids(t, d)
 	if got := act(t, s.DB, "cancel", behind); !got[behind] {
 		t.Fatal("cancel behind the head refused")
