@@ -414,7 +414,8 @@ END $$;
 -- generic plan after five calls. With the statistics of a small table that plan scanned
 -- workqueue and fanout whole, so each split of a batch read every row the batch had inserted
 -- before it (faninbench: 1,000 splits of 100 children in one transaction, 1.7 ms per lookup
--- of the parent's row; TestFaninSplitPlansStaleStatistics).
+-- of the parent's row; TestFaninSplitPlansStaleStatistics). And with jit = off, for the
+-- reason given at the head of the coordinator's side (below).
 --
 -- fanout_split_bounds is the core of every split. In the caller's transaction (the split
 -- stage's, whose message p_parent it holds running at p_split_stage):
@@ -434,7 +435,7 @@ CREATE OR REPLACE FUNCTION fanout_split_bounds(p_parent bigint, p_split_stage te
                                                p_bounds bigint[],
                                                p_child_payload jsonb DEFAULT NULL,
                                                p_state jsonb DEFAULT NULL)
-RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off AS $$
+RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     n   int := greatest(coalesce(array_length(p_bounds, 1), 0) - 1, 0);
     fid bigint;
@@ -473,7 +474,7 @@ END $$;
 -- The parent row is locked first, so a duplicate execution fails here, before any child.
 CREATE OR REPLACE FUNCTION fanout_parent_wait(p_parent bigint, p_split_stage text,
                                               p_continuation text, n int, p_state jsonb)
-RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off AS $$
+RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     fid bigint;
     gen int;
@@ -506,7 +507,7 @@ END $$;
 CREATE OR REPLACE FUNCTION fanout_split(p_parent bigint, p_split_stage text,
                                         p_continuation text, p_child_stage text,
                                         p_payloads jsonb, p_state jsonb DEFAULT NULL)
-RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off AS $$
+RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     n   int;
     fid bigint;
@@ -547,7 +548,7 @@ CREATE OR REPLACE FUNCTION fanout_split_range(p_parent bigint, p_split_stage tex
                                               p_min_span bigint DEFAULT 1000,
                                               p_child_payload jsonb DEFAULT NULL,
                                               p_state jsonb DEFAULT NULL)
-RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off AS $$
+RETURNS bigint LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     n   int := fanout_range_n(p_lo, p_hi, p_max_children, p_min_span);
     fid bigint;
@@ -576,6 +577,16 @@ END $$;
 -- The coordinator's side (§3.4, §3.5): flush, fire_ready, sweep. Coordinator only (I1).
 ------------------------------------------------------------------------------------------
 
+-- fanin_fire, fanin_recount and fanin_sweep run on the coordinator's lock connection, which
+-- lives as long as it does, so their plpgsql plans go generic after five calls, made for the
+-- tables as they were then: a sweep planned on a small table recounted each group by a
+-- sequential scan of the grown one (47 scans for 20 groups after 100,000 inserts:
+-- TestFaninSweepPlansStaleStatistics). So they run with enable_seqscan = off, and with
+-- jit = off: where no index serves (the inbox by group), enable_seqscan = off leaves a
+-- sequential scan costed at 10^10, which passes every JIT threshold, and compiling the
+-- recount took 440-590 ms a sweep on a 100,000-row table (2 ms without JIT), on the
+-- coordinator's connection: W1 lost 17 % to it (bench/pipeline, 3 December).
+
 -- fanin_apply applies the inbox rows p_ids in ONE statement (internal; fanin_flush calls it):
 -- deletes them, adds each group's net deltas to its counters once, fires the groups that
 -- became complete, wakes their parents (waiting -> pending, guarded status = 'waiting' AND
@@ -588,7 +599,7 @@ END $$;
 CREATE OR REPLACE FUNCTION fanin_apply(p_ids bigint[],
     OUT events int, OUT groups_updated int, OUT groups_fired int, OUT parents_woken int,
     OUT late_events int, OUT woken bigint[], OUT open_ids bigint[], OUT open_remaining int[])
-LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 BEGIN
     WITH ev AS (
         DELETE FROM fanin_event WHERE id = ANY (p_ids)
@@ -721,7 +732,7 @@ END $$;
 -- it fired instead).
 CREATE OR REPLACE FUNCTION fanin_fire(p_ids bigint[],
     OUT groups_fired int, OUT parents_woken int, OUT woken bigint[])
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 BEGIN
     WITH ready AS (
         UPDATE fanout f SET state = 'fired', fired_at = now()
@@ -765,14 +776,8 @@ $$;
 -- terminal children than expected_n, negative) are left alone and returned in broken.
 -- An open group that already has a wake-log row (it fired once, then someone reopened it)
 -- is recounted and marked fired again, never re-woken. repaired counts the groups changed.
--- Known, not yet mended: a plan of the recount made while workqueue was small (the
--- dispatcher's lock connection keeps it) reads each group's children by a sequential scan
--- once the table has grown (in a test, 47 scans in one sweep of 20 groups after 100,000
--- inserts). SET enable_seqscan = off is not the cure: with it, planning the statement below
--- took 276 ms on a 100,000-row table under a backlog, on the coordinator's connection, and
--- cost W1 about 17 % (bench/pipeline, 3 December).
 CREATE OR REPLACE FUNCTION fanin_recount(p_ids bigint[], OUT repaired int, OUT broken bigint[])
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     fixed  bigint[];
     refire bigint[];
@@ -841,7 +846,7 @@ CREATE OR REPLACE FUNCTION fanin_sweep(p_after bigint DEFAULT 0, p_page int DEFA
     OUT repaired int, OUT examined int, OUT quarantine_cleared int, OUT orphans_woken int,
     OUT groups_fired int, OUT parents_woken int, OUT woken bigint[], OUT broken bigint[],
     OUT next_after bigint)
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     q_ids    bigint[];
     page_ids bigint[];
@@ -952,7 +957,7 @@ $$;
 -- when a page was committed, else range_lo; NULL when the slice is exhausted (the cursor
 -- reached range_hi or passed the int8 maximum). PF002 if p_child is not a range child.
 CREATE OR REPLACE FUNCTION fanout_child_cursor(p_child bigint)
-RETURNS bigint LANGUAGE plpgsql STABLE SET search_path FROM CURRENT SET enable_seqscan = off AS $$
+RETURNS bigint LANGUAGE plpgsql STABLE SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     lo  bigint;
     hi  bigint;
@@ -975,7 +980,7 @@ END $$;
 -- the page's action, so action and cursor commit together. Guarded by status = 'running' AND
 -- stage = p_stage (PF001 when the claim is gone: roll the page back).
 CREATE OR REPLACE FUNCTION fanout_child_advance(p_child bigint, p_stage text, p_last bigint)
-RETURNS void LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off AS $$
+RETURNS void LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 BEGIN
     UPDATE workqueue
        SET state = jsonb_set(state, '{cursor}', to_jsonb(p_last::numeric + 1))

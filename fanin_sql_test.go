@@ -1971,3 +1971,78 @@ func TestFaninSplitPlansStaleStatistics(t *testing.T) {
 		t.Errorf("%d parents waiting, want %d", n, len(parents))
 	}
 }
+
+// TestFaninSweepPlansStaleStatistics: the sweep runs every SWEEP_INTERVAL on a pooled
+// connection of the dispatcher, whose plpgsql plans go generic after five calls. Its recount
+// reads each group's children through the primary key between child_lo and child_hi, and a
+// plan made for a small table must not turn that into a scan of the grown table per group:
+// the sweep and the recount it calls scan neither workqueue nor fanout sequentially after the
+// table has grown a thousandfold since its statistics.
+func TestFaninSweepPlansStaleStatistics(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `ALTER TABLE workqueue SET (autovacuum_enabled = false)`)
+	for i := 0; i < 20; i++ {
+		faninNewGroup(t, s, 3)
+	}
+	ctx := context.Background()
+	tx, seqScans := staleStatsTx(t, s)
+	sweep := func(check bool) {
+		t.Helper()
+		before := seqScans()
+		var examined int
+		if err := tx.QueryRowContext(ctx, `SELECT examined FROM fanin_sweep(0, 500, '-1 hour')`).Scan(&examined); err != nil {
+			t.Fatal(err)
+		}
+		if examined != 20 {
+			t.Fatalf("the sweep examined %d groups, want 20", examined)
+		}
+		if n := seqScans() - before; check && n != 0 {
+			t.Fatalf("fanin_sweep on a table grown since its statistics: %d sequential scans of workqueue or fanout, want none", n)
+		}
+	}
+	for i := 0; i < 8; i++ {
+		sweep(false)
+	}
+	if _, err := tx.ExecContext(ctx, `INSERT INTO workqueue (stage) SELECT 'a' FROM generate_series(1, 100000)`); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 3; i++ {
+		sweep(true)
+	}
+}
+
+// Every function that runs with enable_seqscan = off runs with jit = off too: where no index
+// serves, enable_seqscan = off costs the scan at 10^10, past every JIT threshold, and the
+// statement is compiled at each execution (fanin.sql, the head of the coordinator's side).
+// The rule is read from the catalog, so a function added later without it fails here.
+func TestSeqscanOffFunctionsSetJitOff(t *testing.T) {
+	s := newTestSchema(t)
+	rows, err := s.DB.Query(`SELECT p.proname, 'jit=off' = ANY (p.proconfig)
+	    FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+	    WHERE n.nspname = $1 AND 'enable_seqscan=off' = ANY (p.proconfig)
+	    ORDER BY 1`, s.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var seen int
+	for rows.Next() {
+		var name string
+		var jitOff bool
+		if err := rows.Scan(&name, &jitOff); err != nil {
+			t.Fatal(err)
+		}
+		seen++
+		if !jitOff {
+			t.Errorf("%s runs with enable_seqscan = off but not jit = off", name)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	// fanin_apply, fire, recount, sweep, the four split functions, the child cursor's two,
+	// and the five queue actions: a schema that loses them has lost its plan fixes.
+	if seen < 15 {
+		t.Errorf("%d functions run with enable_seqscan = off, want at least 15", seen)
+	}
+}

@@ -180,7 +180,8 @@ $$;
 -- key, but plpgsql keeps a generic plan after five calls, planned for the table as it was
 -- then, and a long-lived session (the console's pool) that acted on a small table went on
 -- scanning it whole once it had grown (TestOperatePlansStaleStatistics; the split functions
--- had the same fault, fanin.sql).
+-- had the same fault, fanin.sql). And with jit = off: a statement that no index serves would
+-- otherwise be costed at 10^10 and compiled (fanin.sql, the coordinator's side).
 
 -- The result of an action for the ids asked for: changed ones (ok) with their new status,
 -- the others refused with the state they were found in.
@@ -232,7 +233,7 @@ $$;
 CREATE OR REPLACE FUNCTION queue_retry(p_ids bigint[], p_reset boolean DEFAULT false,
                                        p_actor text DEFAULT NULL, p_filter text DEFAULT NULL)
 RETURNS TABLE (workqueue_id bigint, ok boolean, status text, reason text)
-LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     changed bigint[];
 BEGIN
@@ -254,7 +255,7 @@ END $$;
 CREATE OR REPLACE FUNCTION queue_hold(p_ids bigint[], p_actor text DEFAULT NULL,
                                       p_filter text DEFAULT NULL)
 RETURNS TABLE (workqueue_id bigint, ok boolean, status text, reason text)
-LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     changed bigint[];
 BEGIN
@@ -271,7 +272,7 @@ END $$;
 CREATE OR REPLACE FUNCTION queue_release(p_ids bigint[], p_actor text DEFAULT NULL,
                                          p_filter text DEFAULT NULL)
 RETURNS TABLE (workqueue_id bigint, ok boolean, status text, reason text)
-LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     changed bigint[];
 BEGIN
@@ -292,7 +293,7 @@ END $$;
 CREATE OR REPLACE FUNCTION queue_cancel(p_ids bigint[], p_actor text DEFAULT NULL,
                                         p_filter text DEFAULT NULL)
 RETURNS TABLE (workqueue_id bigint, ok boolean, status text, reason text)
-LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     changed bigint[];
     running text[];
@@ -326,7 +327,7 @@ END $$;
 CREATE OR REPLACE FUNCTION queue_delete(p_ids bigint[], p_actor text DEFAULT NULL,
                                         p_filter text DEFAULT NULL)
 RETURNS TABLE (workqueue_id bigint, ok boolean, status text, reason text)
-LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     changed bigint[];
 BEGIN
