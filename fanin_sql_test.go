@@ -1972,8 +1972,8 @@ func TestFaninSplitPlansStaleStatistics(t *testing.T) {
 	}
 }
 
-// TestFaninSweepPlansStaleStatistics: the sweep runs every SWEEP_INTERVAL on a pooled
-// connection of the dispatcher, whose plpgsql plans go generic after five calls. Its recount
+// TestFaninSweepPlansStaleStatistics: the sweep runs every SWEEP_INTERVAL on the dispatcher's
+// lock connection (fanin.go: sweepOnce), whose plpgsql plans go generic after five calls. Its recount
 // reads each group's children through the primary key between child_lo and child_hi, and a
 // plan made for a small table must not turn that into a scan of the grown table per group:
 // the sweep and the recount it calls scan neither workqueue nor fanout sequentially after the
@@ -1991,7 +1991,7 @@ func TestFaninSweepPlansStaleStatistics(t *testing.T) {
 		before := seqScans()
 		var examined int
 		if err := tx.QueryRowContext(ctx, `SELECT examined FROM fanin_sweep(0, 500, '-1 hour')`).Scan(&examined); err != nil {
-			t.Fatal(err)
+			t.Fatalf("fanin_sweep: %v", err)
 		}
 		if examined != 20 {
 			t.Fatalf("the sweep examined %d groups, want 20", examined)
@@ -2004,7 +2004,7 @@ func TestFaninSweepPlansStaleStatistics(t *testing.T) {
 		sweep(false)
 	}
 	if _, err := tx.ExecContext(ctx, `INSERT INTO workqueue (stage) SELECT 'a' FROM generate_series(1, 100000)`); err != nil {
-		t.Fatal(err)
+		t.Fatalf("grow workqueue: %v", err)
 	}
 	for i := 0; i < 3; i++ {
 		sweep(true)
@@ -2022,7 +2022,7 @@ func TestSeqscanOffFunctionsSetJitOff(t *testing.T) {
 	    WHERE n.nspname = $1 AND 'enable_seqscan=off' = ANY (p.proconfig)
 	    ORDER BY 1`, s.Name)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("read the functions' settings: %v", err)
 	}
 	defer rows.Close()
 	var seen int
@@ -2030,7 +2030,7 @@ func TestSeqscanOffFunctionsSetJitOff(t *testing.T) {
 		var name string
 		var jitOff bool
 		if err := rows.Scan(&name, &jitOff); err != nil {
-			t.Fatal(err)
+			t.Fatalf("read the functions' settings: %v", err)
 		}
 		seen++
 		if !jitOff {
@@ -2038,7 +2038,7 @@ func TestSeqscanOffFunctionsSetJitOff(t *testing.T) {
 		}
 	}
 	if err := rows.Err(); err != nil {
-		t.Fatal(err)
+		t.Fatalf("read the functions' settings: %v", err)
 	}
 	// fanin_apply, fire, recount, sweep, the four split functions, the child cursor's two,
 	// and the five queue actions: a schema that loses them has lost its plan fixes.
