@@ -55,7 +55,7 @@ type coordinator struct {
 
 	ctx    context.Context // lives until the workers' goroutines are done sending
 	wg     *sync.WaitGroup // the workers' goroutines and a background fan-in flush
-	events chan event      // workerReplies, workerExit, faninFlushed
+	events chan event      // workerReplies, workerExit, faninFlushed, faninSwept
 
 	timers *timerHeap
 	timer  *time.Timer
@@ -179,7 +179,7 @@ func (c *coordinator) loop() error {
 			c.abort()
 			return c.fatal
 		}
-		if c.shutdown && len(c.workers) == 0 && !c.fanin.busy {
+		if c.shutdown && len(c.workers) == 0 && !c.fanin.busy && !c.fanin.sweeping {
 			c.finish()
 			return nil
 		}
@@ -234,6 +234,7 @@ type event interface {
 func (ev workerReplies) handleIn(c *coordinator) { c.onReplies(ev) } // outcome.go
 func (ev workerExit) handleIn(c *coordinator)    { c.onExit(ev) }    // supervise.go
 func (ev faninFlushed) handleIn(c *coordinator)  { c.onFlushed(ev) } // fanin.go
+func (ev faninSwept) handleIn(c *coordinator)    { c.onSwept(ev) }   // fanin.go
 
 func (c *coordinator) handle(ev event) { ev.handleIn(c) }
 
@@ -358,9 +359,12 @@ func (c *coordinator) onTimers() {
 		case timerFanin:
 			// settle decides: the coalescing delay is over.
 		case timerSweep:
-			if c.locked && !c.shutdown {
-				c.faninSweep()
-			} else {
+			switch {
+			case c.fanin.sweeping:
+				c.fanin.sweepSoon = true // onSwept schedules the next page at once
+			case c.locked && !c.shutdown:
+				c.startSweep()
+			default:
 				c.timers.schedule(key, now.Add(time.Second))
 			}
 		case timerSDWatchdog:

@@ -80,6 +80,8 @@ type fanin struct {
 	remaining  map[int64]int  // remaining children per open group, as of the last flush that saw it
 	lastFlush  time.Time      // the start of the last flush
 	busy       bool           // a flush is running in the background
+	sweeping   bool           // a page of the sweep is running in the background
+	sweepSoon  bool           // the sweep's timer came due meanwhile: the next page at once
 	failures   int            // consecutive failed flushes, for the log
 	inbox      bool           // the last claim saw unapplied events
 	sweepAfter int64          // the sweep's keyset cursor; 0 = start of a pass
@@ -352,14 +354,15 @@ type sweepResult struct {
 	next                                      int64 // the keyset cursor for the next page; 0 ends the pass
 }
 
-// sweepOnce runs one page of the sweep from the cursor after, on conn (the coordinator's lock
-// connection), in an explicit transaction of its own, as flushOnce does and for the same
-// reason: the failpoint between the statement and its commit is inert in shape.
-func (f *fanin) sweepOnce(ctx context.Context, conn *sql.Conn, after int64, page int, minAge time.Duration) (sweepResult, error) {
+// sweepOnce runs one page of the sweep from the cursor after, on a connection of db, in an
+// explicit transaction of its own, as flushOnce does and for the same reason: the failpoint
+// between the statement and its commit is inert in shape. It reads only the fail hook, fixed
+// when f was made, so it may run on the sweep goroutine (startSweep).
+func (f *fanin) sweepOnce(ctx context.Context, db *sql.DB, after int64, page int, minAge time.Duration) (sweepResult, error) {
 	ctx, cancel := context.WithTimeout(ctx, dbStatementBudget)
 	defer cancel()
 	var r sweepResult
-	tx, err := conn.BeginTx(ctx, nil)
+	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return r, fmt.Errorf("fan-in sweep: begin: %w", err)
 	}
@@ -380,11 +383,43 @@ func (f *fanin) sweepOnce(ctx context.Context, conn *sql.Conn, after int64, page
 	return r, nil
 }
 
-// faninSweep runs one page of the safety sweep and schedules the next.
-func (c *coordinator) faninSweep() {
+// faninSwept is the event a page of the sweep in the background sends back to the coordinator.
+type faninSwept struct {
+	r   sweepResult
+	err error
+}
+
+// startSweep runs one page of the safety sweep in the background, on a connection of the
+// pool, and returns at once, like startFlush and for the same reason: the claim loop never
+// waits for it. A page recounts groups under row locks on fanout (fanin_recount), so a
+// transaction that holds one of those rows (an operator's, a stuck flush's) can hold the page
+// for up to dbStatementBudget; on the coordinator's own connection, as the sweep first ran,
+// that stopped every claim meanwhile (TestFaninSweepBlockedClaimsGoOn). One page at a time;
+// the result is handled by onSwept, which schedules the next.
+func (c *coordinator) startSweep() {
 	f := c.fanin
 	d := c.cfg.Dispatch
-	r, err := f.sweepOnce(c.ctx, c.inst.conn, f.sweepAfter, d.SweepPage, d.SweepMinAge)
+	f.sweeping = true
+	after, page, minAge := f.sweepAfter, d.SweepPage, d.SweepMinAge
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		r, err := f.sweepOnce(c.ctx, c.db, after, page, minAge)
+		select {
+		case c.events <- faninSwept{r: r, err: err}:
+		case <-c.ctx.Done():
+		}
+	}()
+}
+
+// onSwept takes a page of the sweep into the coordinator's state and schedules the next.
+func (c *coordinator) onSwept(ev faninSwept) {
+	f := c.fanin
+	d := c.cfg.Dispatch
+	f.sweeping = false
+	soon := f.sweepSoon // a quarantine asked for a recount while this page ran
+	f.sweepSoon = false
+	r, err := ev.r, ev.err
 	if err != nil {
 		c.log.Warn("fan-in sweep failed; retried at the next interval", "err", err)
 		c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(d.SweepInterval))
@@ -400,7 +435,9 @@ func (c *coordinator) faninSweep() {
 		c.claimWanted = true // both are pending at their continuation now
 	}
 	f.sweepAfter = r.next
-	if r.next != 0 {
+	if soon {
+		c.timers.schedule(timerKey{kind: timerSweep}, time.Now())
+	} else if r.next != 0 {
 		c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(sweepNextPage))
 	} else {
 		c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(d.SweepInterval))

@@ -806,11 +806,6 @@ func TestFaninFailpointShape(t *testing.T) {
 		return parent
 	}
 	inbox := func() int { return s.count(t, `SELECT count(*) FROM fanin_event`) }
-	conn, err := s.DB.Conn(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
 
 	for _, hooked := range []bool{true, false} {
 		f := newFanin(cfg, &faninCounters{})
@@ -852,7 +847,7 @@ func TestFaninFailpointShape(t *testing.T) {
 		}
 		orphan := lost()
 		f.runFlush(ctx, s.DB)
-		r, err := f.sweepOnce(ctx, conn, 0, 500, 0)
+		r, err := f.sweepOnce(ctx, s.DB, 0, 500, 0)
 		if err != nil || r.repaired != 1 || r.woken != 1 {
 			t.Fatalf("hooked=%v: sweep %+v, %v: want one group repaired and its parent woken", hooked, r, err)
 		}
@@ -981,6 +976,90 @@ func TestFaninDaemonLostEvidenceSweep(t *testing.T) {
 	if w := faninStat(t, s, "fanin_wakes"); w != 2 {
 		t.Errorf("dispatch_stats.fanin_wakes = %d, want 2", w)
 	}
+}
+
+// TestFaninSweepBlockedClaimsGoOn: a page of the sweep that waits for a row lock does not stop
+// the pipeline. The sweep's recount locks the open groups of its page (fanin_recount: FOR
+// UPDATE on fanout), so another transaction holding one of those rows (an operator's, say)
+// holds the page for up to dbStatementBudget. Here a test transaction holds an open group's row
+// while the sweep runs every 0.2 s; then groups go through split, children and join. They must
+// all finish while one and the same sweep statement is still waiting for the lock (the waiting
+// backend's query_start unchanged), which is impossible if the sweep runs on the coordinator's
+// own connection: every claim would wait behind it (the sweep first ran there, fanin.go:
+// startSweep). Then the lock goes, the sweep completes, and SIGTERM stops the daemon at once.
+func TestFaninSweepBlockedClaimsGoOn(t *testing.T) {
+	s := faninSetup(t)
+	d := faninStart(t, faninConf(t, s, "SWEEP_INTERVAL = 0.2\nSWEEP_MIN_AGE = 0", ""), "fanin")
+	faninWarmUp(t, s)
+
+	// An open group nobody runs: its parent and children are at stages the configuration
+	// does not have, so only the sweep ever looks at it.
+	var parent, fid int64
+	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, status, attempts, claim, claimed_at)
+	    VALUES ('offstage', 'running', 0, nextval('workqueue_claim_seq'), now()) RETURNING workqueue_id`).Scan(&parent); err != nil {
+		t.Fatalf("insert the offstage parent: %v", err)
+	}
+	if err := s.DB.QueryRow(`SELECT fanout_split($1, 'offstage', 'offstage-join', 'offstage-child', '[{"i":0},{"i":1}]'::jsonb)`,
+		parent).Scan(&fid); err != nil {
+		t.Fatalf("fanout_split of the offstage parent: %v", err)
+	}
+
+	ctx := context.Background()
+	holder, err := s.DB.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatalf("begin the lock holder: %v", err)
+	}
+	defer holder.Rollback()
+	var holderPID int
+	if err := holder.QueryRow(`SELECT pg_backend_pid() FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fid).Scan(&holderPID); err != nil {
+		t.Fatalf("lock the group's fanout row: %v", err)
+	}
+	// blockedSweep is the query_start of the sweep statement waiting for holder, if one is.
+	blockedSweep := func() (time.Time, bool) {
+		var at time.Time
+		err := s.DB.QueryRow(`SELECT query_start FROM pg_stat_activity
+		    WHERE query LIKE '%FROM fanin_sweep(%' AND pid <> pg_backend_pid()
+		      AND $1 = ANY (pg_blocking_pids(pid))`, holderPID).Scan(&at)
+		if errors.Is(err, sql.ErrNoRows) {
+			return time.Time{}, false
+		}
+		if err != nil {
+			t.Fatalf("read the sweep's lock wait: %v", err)
+		}
+		return at, true
+	}
+	var since time.Time
+	waitFor(t, 30*time.Second, "a sweep waiting for the group's row lock", func() bool {
+		at, ok := blockedSweep()
+		since = at
+		return ok
+	})
+
+	ids := faninParents(t, s, `{"n": 4}`, `{"n": 7}`, `{"n": 1}`)
+	faninWaitJoined(t, s, ids, 30*time.Second)
+	at, ok := blockedSweep()
+	if !ok || !at.Equal(since) {
+		t.Fatalf("the groups joined, but the sweep that waited since %s is no longer waiting (now: %v, %v): "+
+			"they did not run while it was blocked", since.Format(time.RFC3339Nano), at, ok)
+	}
+	faninExpectJoin(t, s, ids[0], 4, 0)
+	faninExpectJoin(t, s, ids[1], 7, 0)
+	faninExpectJoin(t, s, ids[2], 1, 0)
+	if strings.Contains(d.log.String(), "fan-in sweep failed") {
+		t.Errorf("a sweep failed while blocked (its budget is %s):\n%s", dbStatementBudget, d.log.String())
+	}
+
+	if err := holder.Rollback(); err != nil {
+		t.Fatalf("release the group's row lock: %v", err)
+	}
+	waitFor(t, 30*time.Second, "no sweep waiting any more", func() bool {
+		_, ok := blockedSweep()
+		return !ok
+	})
+	if _, st := faninRowStatus(t, s, parent); st != "waiting" {
+		t.Errorf("the offstage parent is %s, want still waiting (its children never ran)", st)
+	}
+	d.stop()
 }
 
 // ---- T19, T20: reload, restart, SIGTERM ----

@@ -1972,8 +1972,9 @@ func TestFaninSplitPlansStaleStatistics(t *testing.T) {
 	}
 }
 
-// TestFaninSweepPlansStaleStatistics: the sweep runs every SWEEP_INTERVAL on the dispatcher's
-// lock connection (fanin.go: sweepOnce), whose plpgsql plans go generic after five calls. Its recount
+// TestFaninSweepPlansStaleStatistics: the sweep runs every SWEEP_INTERVAL on one of the
+// dispatcher's pooled, long-lived connections (fanin.go: startSweep), where plpgsql plans go
+// generic after five calls. Its recount
 // reads each group's children through the primary key between child_lo and child_hi, and a
 // plan made for a small table must not turn that into a scan of the grown table per group:
 // the sweep and the recount it calls scan neither workqueue nor fanout sequentially after the
