@@ -54,7 +54,7 @@ type coordinator struct {
 	hups   <-chan os.Signal        // SIGHUP: reload the stage graph, as config_changed does
 
 	ctx    context.Context // lives until the workers' goroutines are done sending
-	wg     *sync.WaitGroup // the workers' goroutines and a background fan-in flush
+	wg     *sync.WaitGroup // the workers' goroutines and a background fan-in flush or sweep page
 	events chan event      // workerReplies, workerExit, faninFlushed, faninSwept
 
 	timers *timerHeap
