@@ -26,8 +26,10 @@ import (
 	"cmp"
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/lib/pq"
@@ -269,6 +271,52 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FRO
        (SELECT id FROM fanin_event ORDER BY id LIMIT 1) IS NOT NULL, 0::bigint
  WHERE set_config('synchronous_commit', 'off', true) = 'off'`
 
+// The claims that skip locked rows. The claim walks pending rows and updates them without
+// FOR UPDATE: it is the only pending->running writer (instance.go), and a row lock costs a WAL
+// record per claimed row. But a transaction that holds a pending row's lock (a producer's or
+// an operator's UPDATE of it, left open in psql) makes the claim's UPDATE wait for it, and
+// with it every stage's claim: until the statement budget cancels the claim, which then meets
+// the same row again (TestClaimRowLockedElsewhere: another stage's messages did not run in 40
+// s). So a claim cancelled at its budget puts the claimer in skip mode for skipLockedFor, in
+// which these variants lock what they pick, FOR NO KEY UPDATE SKIP LOCKED, and pass over rows
+// another transaction holds; the ordinary claim, the hot path, stays as it is. A locking
+// clause is not allowed on a UNION's branches, so the keyed claim's two per-key branches
+// lock inside a subquery each.
+var (
+	claimSkipLockedSQL = mustReplace(claimSQL,
+		"LIMIT c.cap) p))", "LIMIT c.cap FOR NO KEY UPDATE OF w SKIP LOCKED) p))", 1)
+	claimKeyedSkipLockedSQL = mustReplaceAll(claimKeyedSQL,
+		"LIMIT c.cap) p\n), walked", "LIMIT c.cap FOR NO KEY UPDATE OF w SKIP LOCKED) p\n), walked", 1,
+		"(SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w\n",
+		"(SELECT * FROM (SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w\n", 2,
+		"w.priority, w.workqueue_id LIMIT k.free)",
+		"w.priority, w.workqueue_id LIMIT k.free FOR NO KEY UPDATE OF w SKIP LOCKED) l)", 2,
+		"LIMIT 2000) r", "LIMIT 2000 FOR NO KEY UPDATE OF w SKIP LOCKED) r", 1)
+)
+
+// skipLockedFor is how long the claimer skips locked rows after a claim that waited its whole
+// budget. The lock that held it may be gone long before; the ordinary claim then waits for a
+// row lock once more at most once per period (another full budget, if the lock is still held).
+const skipLockedFor = time.Minute
+
+// mustReplace replaces old with new in s, which must hold exactly n of them (checked when the
+// program starts, and by the tests: a claim edited out of the shape these variants expect
+// stops the daemon at once, not at the first locked row).
+func mustReplace(s, old, new string, n int) string {
+	if got := strings.Count(s, old); got != n {
+		panic(fmt.Sprintf("claim.go: %d of %q in a claim statement, want %d", got, old, n))
+	}
+	return strings.ReplaceAll(s, old, new)
+}
+
+// mustReplaceAll applies mustReplace for each (old, new, n) in turn.
+func mustReplaceAll(s string, args ...any) string {
+	for i := 0; i+2 < len(args); i += 3 {
+		s = mustReplace(s, args[i].(string), args[i+1].(string), args[i+2].(int))
+	}
+	return s
+}
+
 // unparkSQL puts back to pending up to parkChunk parked rows of stages without a KEY_LIMIT
 // ($1 = the stages that have one), in the order the keys would be served, and returns how
 // many. Only the keyed claim parks, and only for a stage with a limit, so such rows exist
@@ -310,7 +358,9 @@ type claimResult struct {
 // claimer runs the claim statement on the lock connection, prepared once per connection.
 type claimer struct {
 	stmt, keyed, unparkSt *sql.Stmt // claimSQL, claimKeyedSQL, unparkSQL; each prepared on first use
+	stmtSkip, keyedSkip   *sql.Stmt // their skip-locked variants, prepared on first use too
 	conn                  *sql.Conn // the connection they were prepared on
+	skipUntil             time.Time // skip locked rows until then (see claimSkipLockedSQL)
 
 	// Reused between claims: the claim loop runs once per burst of replies, so these
 	// slices would otherwise be garbage every time.
@@ -336,11 +386,16 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 	}
 	var rows *sql.Rows
 	var err error
+	skip := time.Now().Before(cl.skipUntil)
 	if anyLimit {
-		rows, err = cl.queryKeyed(ctx, keys)
+		rows, err = cl.queryKeyed(ctx, keys, skip)
 	} else {
+		stp, query := &cl.stmt, claimSQL
+		if skip {
+			stp, query = &cl.stmtSkip, claimSkipLockedSQL
+		}
 		var st *sql.Stmt
-		if st, err = cl.prepared(ctx, &cl.stmt, claimSQL); err != nil {
+		if st, err = cl.prepared(ctx, stp, query); err != nil {
 			return res, fmt.Errorf("prepare claim: %w", err)
 		}
 		rows, err = st.QueryContext(ctx, pq.Array(cl.names), pq.Array(cl.caps))
@@ -441,9 +496,14 @@ func (c *claimCols) str(v any) (string, bool) {
 	return "", false
 }
 
-// queryKeyed runs claimKeyedSQL with cl.names, caps and limits and what keys has in flight.
-func (cl *claimer) queryKeyed(ctx context.Context, keys *keyLoad) (*sql.Rows, error) {
-	st, err := cl.prepared(ctx, &cl.keyed, claimKeyedSQL)
+// queryKeyed runs claimKeyedSQL (claimKeyedSkipLockedSQL if skip) with cl.names, caps and
+// limits and what keys has in flight.
+func (cl *claimer) queryKeyed(ctx context.Context, keys *keyLoad, skip bool) (*sql.Rows, error) {
+	stp, query := &cl.keyed, claimKeyedSQL
+	if skip {
+		stp, query = &cl.keyedSkip, claimKeyedSkipLockedSQL
+	}
+	st, err := cl.prepared(ctx, stp, query)
 	if err != nil {
 		return nil, fmt.Errorf("prepare: %w", err)
 	}
@@ -498,12 +558,12 @@ func (cl *claimer) prepared(ctx context.Context, st **sql.Stmt, query string) (*
 }
 
 func (cl *claimer) close() {
-	for _, st := range []*sql.Stmt{cl.stmt, cl.keyed, cl.unparkSt} {
+	for _, st := range []*sql.Stmt{cl.stmt, cl.keyed, cl.unparkSt, cl.stmtSkip, cl.keyedSkip} {
 		if st != nil {
 			st.Close()
 		}
 	}
-	cl.stmt, cl.keyed, cl.unparkSt, cl.conn = nil, nil, nil, nil
+	cl.stmt, cl.keyed, cl.unparkSt, cl.stmtSkip, cl.keyedSkip, cl.conn = nil, nil, nil, nil, nil, nil
 }
 
 // claim takes work for every stage with free capacity in one statement and hands it out.
@@ -539,9 +599,16 @@ func (c *coordinator) claim() {
 	t0 := time.Now()
 	res, err := c.claimer.claim(ctx, c.inst.conn, c.want, &c.keys)
 	c.claimMax = max(c.claimMax, time.Since(t0))
+	budgetSpent := errors.Is(ctx.Err(), context.DeadlineExceeded)
 	cancel()
 	if err != nil {
 		c.claimWanted = true
+		if budgetSpent && !time.Now().Before(c.claimer.skipUntil) {
+			// Most likely a row lock held by another transaction (claimSkipLockedSQL).
+			c.claimer.skipUntil = time.Now().Add(skipLockedFor)
+			c.log.Warn("the claim waited its whole budget, most likely for a row lock another transaction holds; "+
+				"claiming past locked rows for a while", "budget", dbStatementBudget, "for", skipLockedFor)
+		}
 		c.dbTrouble("claim", err)
 		return
 	}

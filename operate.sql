@@ -33,7 +33,8 @@
 --   - Every action writes its operator_log row in its own transaction.
 --   - An action on many rows holds their row locks until it commits, and the claim (or a
 --     stage) that meets one of them waits: callers pass at most a batch of ids per call
---     (pepsi-queue: 1,000), so a wait is a few milliseconds.
+--     (pepsi-queue: 1,000), so a wait is a few milliseconds. (A transaction left open on a
+--     pending row costs the claim its budget once, then it claims past locked rows: claim.go.)
 
 -- Databases made before held and cancelled existed: widen the status check once.
 DO $$

@@ -1,0 +1,148 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+)
+
+// lockPendingRow makes a pending row at stage and holds its lock in an open transaction, as a
+// producer's or an operator's UPDATE left open in psql would (the row stays pending and
+// visible to the claim). The lock goes with the returned rollback.
+func lockPendingRow(t *testing.T, s *testSchema, stage, key string) (id int64, rollback func()) {
+	t.Helper()
+	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, payload, concurrency_key) VALUES ($1, '{}', nullif($2, ''))
+	    RETURNING workqueue_id`, stage, key).Scan(&id); err != nil {
+		t.Fatalf("insert the row to lock: %v", err)
+	}
+	tx, err := s.DB.Begin()
+	if err != nil {
+		t.Fatalf("begin the lock holder: %v", err)
+	}
+	if res, err := tx.Exec(`UPDATE workqueue SET priority = priority WHERE workqueue_id = $1 AND status = 'pending'`, id); err != nil {
+		t.Fatalf("lock row %d: %v", id, err)
+	} else if n, _ := res.RowsAffected(); n != 1 {
+		t.Fatalf("lock row %d: it was no longer pending", id)
+	}
+	return id, func() { tx.Rollback() }
+}
+
+// TestClaimSkipLockedVariants: in skip mode both claims (with and without a KEY_LIMIT) take
+// every pending row but the one another transaction holds, at once, and in the order of the
+// ordinary claim; the ordinary claim, meanwhile, waits for that row (here until its context
+// gives up), which is why the mode exists.
+func TestClaimSkipLockedVariants(t *testing.T) {
+	s := newTestSchema(t)
+	// Each locked row comes first in its stage's claim order.
+	locked, rollback := lockPendingRow(t, s, "a", "")
+	defer rollback()
+	lockedKeyed, rollbackKeyed := lockPendingRow(t, s, "k", "key-0")
+	defer rollbackKeyed()
+	s.exec(t, `INSERT INTO workqueue (stage) SELECT 'a' FROM generate_series(1, 5)`)
+	s.exec(t, `INSERT INTO workqueue (stage, concurrency_key) SELECT 'k', 'key-' || (g % 2) FROM generate_series(1, 6) g`)
+	conn := openLockConn(t, s)
+	keys := &keyLoad{limit: map[string]int{"k": 2}, busy: map[stageKey]int{}}
+
+	// The ordinary claims wait for the locked rows.
+	var plain claimer
+	defer plain.close()
+	for _, c := range []struct {
+		stage string
+		keys  *keyLoad
+	}{{"a", &keyLoad{}}, {"k", keys}} {
+		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+		_, err := plain.claim(ctx, conn, map[string]int{c.stage: 10}, c.keys)
+		cancel()
+		if err == nil {
+			t.Fatalf("the ordinary claim of stage %s did not wait for its locked row: the test's premise is gone", c.stage)
+		}
+	}
+
+	var cl claimer
+	defer cl.close()
+	cl.skipUntil = time.Now().Add(time.Hour)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	res, err := cl.claim(ctx, conn, map[string]int{"a": 10}, &keyLoad{})
+	if err != nil {
+		t.Fatalf("skip-locked claim: %v", err)
+	}
+	var prev int64
+	for _, m := range res.byStage["a"] {
+		if m.id == locked {
+			t.Errorf("the skip-locked claim took the locked row %d", locked)
+		}
+		if m.id <= prev {
+			t.Errorf("stage a not in id order: %v", res.byStage["a"])
+		}
+		prev = m.id
+	}
+	if len(res.byStage["a"]) != 5 {
+		t.Errorf("the skip-locked claim took %d rows of stage a, want the 5 unlocked ones", len(res.byStage["a"]))
+	}
+
+	res, err = cl.claim(ctx, conn, map[string]int{"k": 10}, keys)
+	if err != nil {
+		t.Fatalf("skip-locked keyed claim: %v", err)
+	}
+	perKey := map[string]int{}
+	for _, m := range res.byStage["k"] {
+		if m.id == lockedKeyed {
+			t.Errorf("the skip-locked keyed claim took the locked row %d", lockedKeyed)
+		}
+		perKey[m.key]++
+	}
+	if perKey["key-0"] != 2 || perKey["key-1"] != 2 || len(res.byStage["k"]) != 4 {
+		t.Errorf("the skip-locked keyed claim took %v, want 2 rows of each key (KEY_LIMIT 2)", perKey)
+	}
+	rollback()
+	rollbackKeyed()
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = ANY (ARRAY[$1, $2]::bigint[]) AND status = 'pending'`,
+		locked, lockedKeyed); n != 2 {
+		t.Errorf("%d of the two locked rows still pending after their lock went, want 2", n)
+	}
+}
+
+// TestClaimRowLockedElsewhere: a transaction that holds one pending row's lock, left open, does
+// not stop the dispatcher. Stage a (PARALLELISM 1) is busy with a slow message when the row
+// behind it is locked; the claim meets the lock when the slow one ends, waits its budget, and
+// from then on claims past locked rows: messages of another stage enqueued after the lock run,
+// and the locked row runs exactly once after the lock is gone. Before the skip mode those
+// messages did not run in 40 s: every claim waited for the row and was cancelled at its budget.
+func TestClaimRowLockedElsewhere(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 1")+
+		stageConf(t, "b", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"), "pipeline")
+	enqueue(t, s, "b", 2, `{}`)
+	waitFor(t, 30*time.Second, "2 done", func() bool { return countStatus(t, s, "done") == 2 })
+	enqueue(t, s, "a", 1, `{"sleep_ms": 1000}`)
+	waitFor(t, 30*time.Second, "the slow message running", func() bool { return countStatus(t, s, "running") == 1 })
+	locked, rollback := lockPendingRow(t, s, "a", "")
+	defer rollback()
+	// The slow message ends and the claim waits for the locked row.
+	waitFor(t, 30*time.Second, "a claim waiting for the locked row", func() bool {
+		return s.count(t, `SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid()
+		    AND wait_event_type = 'Lock' AND query LIKE '%workqueue_claim_seq%'`) == 1
+	})
+	enqueue(t, s, "b", 5, `{}`)
+	waitFor(t, dbStatementBudget+30*time.Second, "the 5 messages of stage b done", func() bool {
+		return countStatus(t, s, "done") == 8
+	})
+	if !strings.Contains(d.log.String(), "claiming past locked rows") {
+		t.Errorf("the daemon did not say it claims past locked rows:\n%s", d.log.String())
+	}
+	if n := countStatus(t, s, "pending"); n != 1 {
+		t.Errorf("%d rows pending while the lock is held, want the locked one", n)
+	}
+	rollback()
+	waitFor(t, 30*time.Second, "the locked row done once its lock went", func() bool { return countStatus(t, s, "done") == 9 })
+	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, locked); n != 1 {
+		t.Errorf("the locked row ran %d times, want 1", n)
+	}
+	if n := s.count(t, `SELECT count(*) FROM (SELECT id, stage FROM runs GROUP BY id, stage HAVING count(*) > 1) x`); n != 0 {
+		t.Errorf("%d (message, stage) pairs ran more than once", n)
+	}
+	d.stop()
+}
