@@ -285,19 +285,29 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FRO
 var (
 	claimSkipLockedSQL = mustReplace(claimSQL,
 		"LIMIT c.cap) p))", "LIMIT c.cap FOR NO KEY UPDATE OF w SKIP LOCKED) p))", 1)
-	claimKeyedSkipLockedSQL = mustReplaceAll(claimKeyedSQL,
-		"LIMIT c.cap) p\n), walked", "LIMIT c.cap FOR NO KEY UPDATE OF w SKIP LOCKED) p\n), walked", 1,
-		"(SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w\n",
-		"(SELECT * FROM (SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w\n", 2,
-		"w.priority, w.workqueue_id LIMIT k.free)",
-		"w.priority, w.workqueue_id LIMIT k.free FOR NO KEY UPDATE OF w SKIP LOCKED) l)", 2,
-		"LIMIT 2000) r", "LIMIT 2000 FOR NO KEY UPDATE OF w SKIP LOCKED) r", 1)
+	claimKeyedSkipLockedSQL = func() string {
+		s := mustReplace(claimKeyedSQL, // the walk
+			"LIMIT c.cap) p\n), walked", "LIMIT c.cap FOR NO KEY UPDATE OF w SKIP LOCKED) p\n), walked", 1)
+		s = mustReplace(s, // the keyed claim's two per-key branches, each in a subquery
+			"(SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w\n",
+			"(SELECT * FROM (SELECT w.workqueue_id, w.priority, w.concurrency_key FROM workqueue w\n", 2)
+		s = mustReplace(s,
+			"w.priority, w.workqueue_id LIMIT k.free)",
+			"w.priority, w.workqueue_id LIMIT k.free FOR NO KEY UPDATE OF w SKIP LOCKED) l)", 2)
+		return mustReplace(s, // the parking walk
+			"LIMIT 2000) r", "LIMIT 2000 FOR NO KEY UPDATE OF w SKIP LOCKED) r", 1)
+	}()
 )
 
 // skipLockedFor is how long the claimer skips locked rows after a claim that waited its whole
 // budget. The lock that held it may be gone long before; the ordinary claim then waits for a
 // row lock once more at most once per period (another full budget, if the lock is still held).
 const skipLockedFor = time.Minute
+
+// errSkipLocked marks a claim that waited its whole budget and put the claimer in skip mode:
+// the coordinator says so in its log.
+var errSkipLocked = errors.New("the claim waited its whole budget, most likely for a row lock another transaction holds; " +
+	"claiming past locked rows for a while")
 
 // mustReplace replaces old with new in s, which must hold exactly n of them (checked when the
 // program starts, and by the tests: a claim edited out of the shape these variants expect
@@ -307,14 +317,6 @@ func mustReplace(s, old, new string, n int) string {
 		panic(fmt.Sprintf("claim.go: %d of %q in a claim statement, want %d", got, old, n))
 	}
 	return strings.ReplaceAll(s, old, new)
-}
-
-// mustReplaceAll applies mustReplace for each (old, new, n) in turn.
-func mustReplaceAll(s string, args ...any) string {
-	for i := 0; i+2 < len(args); i += 3 {
-		s = mustReplace(s, args[i].(string), args[i+1].(string), args[i+2].(int))
-	}
-	return s
 }
 
 // unparkSQL puts back to pending up to parkChunk parked rows of stages without a KEY_LIMIT
@@ -401,6 +403,12 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 		rows, err = st.QueryContext(ctx, pq.Array(cl.names), pq.Array(cl.caps))
 	}
 	if err != nil {
+		// Cancelled at its budget: most likely a row lock held elsewhere (claimSkipLockedSQL).
+		// The claimer owns its mode, so it switches here, once per period.
+		if !skip && errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			cl.skipUntil = time.Now().Add(skipLockedFor)
+			return res, fmt.Errorf("claim: %w (%w)", err, errSkipLocked)
+		}
 		return res, fmt.Errorf("claim: %w", err)
 	}
 	defer rows.Close()
@@ -599,15 +607,11 @@ func (c *coordinator) claim() {
 	t0 := time.Now()
 	res, err := c.claimer.claim(ctx, c.inst.conn, c.want, &c.keys)
 	c.claimMax = max(c.claimMax, time.Since(t0))
-	budgetSpent := errors.Is(ctx.Err(), context.DeadlineExceeded)
 	cancel()
 	if err != nil {
 		c.claimWanted = true
-		if budgetSpent && !time.Now().Before(c.claimer.skipUntil) {
-			// Most likely a row lock held by another transaction (claimSkipLockedSQL).
-			c.claimer.skipUntil = time.Now().Add(skipLockedFor)
-			c.log.Warn("the claim waited its whole budget, most likely for a row lock another transaction holds; "+
-				"claiming past locked rows for a while", "budget", dbStatementBudget, "for", skipLockedFor)
+		if errors.Is(err, errSkipLocked) {
+			c.log.Warn(errSkipLocked.Error(), "budget", dbStatementBudget, "for", skipLockedFor)
 		}
 		c.dbTrouble("claim", err)
 		return

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -44,18 +45,22 @@ func TestClaimSkipLockedVariants(t *testing.T) {
 	conn := openLockConn(t, s)
 	keys := &keyLoad{limit: map[string]int{"k": 2}, busy: map[stageKey]int{}}
 
-	// The ordinary claims wait for the locked rows.
-	var plain claimer
-	defer plain.close()
+	// The ordinary claims wait for the locked rows, and a claimer whose claim ran out of time
+	// says it now skips locked rows (a fresh claimer each: the first one is in skip mode after).
 	for _, c := range []struct {
 		stage string
 		keys  *keyLoad
 	}{{"a", &keyLoad{}}, {"k", keys}} {
+		var plain claimer
 		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 		_, err := plain.claim(ctx, conn, map[string]int{c.stage: 10}, c.keys)
 		cancel()
+		plain.close()
 		if err == nil {
 			t.Fatalf("the ordinary claim of stage %s did not wait for its locked row: the test's premise is gone", c.stage)
+		}
+		if !errors.Is(err, errSkipLocked) || !time.Now().Before(plain.skipUntil) {
+			t.Errorf("claim of stage %s out of time: %v, skip mode until %v; want errSkipLocked and skip mode", c.stage, err, plain.skipUntil)
 		}
 	}
 

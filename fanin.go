@@ -415,31 +415,28 @@ func (c *coordinator) startSweep() {
 // onSwept takes a page of the sweep into the coordinator's state and schedules the next.
 func (c *coordinator) onSwept(ev faninSwept) {
 	f := c.fanin
-	d := c.cfg.Dispatch
 	f.sweeping = false
-	soon := f.sweepSoon // a quarantine asked for a recount while this page ran
-	f.sweepSoon = false
-	r, err := ev.r, ev.err
-	if err != nil {
-		c.log.Warn("fan-in sweep failed; retried at the next interval", "err", err)
-		c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(d.SweepInterval))
-		return
-	}
-	f.stats.SweepRepaired += int64(r.repaired)
-	f.stats.Wakes += int64(r.woken)
-	if r.repaired > 0 || r.orphans > 0 || len(r.broken) > 0 {
-		c.log.Warn("fan-in sweep repaired drift (completion evidence was lost or inconsistent)",
-			"repaired", r.repaired, "orphans_woken", r.orphans, "broken", r.broken, "examined", r.examined)
-	}
-	if r.woken > 0 || r.orphans > 0 {
-		c.claimWanted = true // both are pending at their continuation now
-	}
-	f.sweepAfter = r.next
-	if soon {
-		c.timers.schedule(timerKey{kind: timerSweep}, time.Now())
-	} else if r.next != 0 {
-		c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(sweepNextPage))
+	next := c.cfg.Dispatch.SweepInterval // until the next pass
+	r := ev.r
+	if ev.err != nil {
+		c.log.Warn("fan-in sweep failed; retried at the next interval", "err", ev.err, "in", next)
 	} else {
-		c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(d.SweepInterval))
+		f.stats.SweepRepaired += int64(r.repaired)
+		f.stats.Wakes += int64(r.woken)
+		if r.repaired > 0 || r.orphans > 0 || len(r.broken) > 0 {
+			c.log.Warn("fan-in sweep repaired drift (completion evidence was lost or inconsistent)",
+				"repaired", r.repaired, "orphans_woken", r.orphans, "broken", r.broken, "examined", r.examined)
+		}
+		if r.woken > 0 || r.orphans > 0 {
+			c.claimWanted = true // both are pending at their continuation now
+		}
+		f.sweepAfter = r.next
+		if r.next != 0 {
+			next = sweepNextPage // the rest of this pass
+		}
 	}
+	if f.sweepSoon { // a quarantine asked for a recount while this page ran, failed or not
+		next, f.sweepSoon = 0, false
+	}
+	c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(next))
 }

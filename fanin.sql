@@ -579,14 +579,14 @@ END $$;
 
 -- fanin_fire, fanin_recount and fanin_sweep run on long-lived connections (a page of the sweep
 -- on one of the dispatcher's pool, fanin_fire_ready at start-up on its lock connection), so
--- their plpgsql plans go generic after five calls, made for the
--- tables as they were then: a sweep planned on a small table recounted each group by a
--- sequential scan of the grown one (47 scans for 20 groups after 100,000 inserts:
--- TestFaninSweepPlansStaleStatistics). So they run with enable_seqscan = off, and with
--- jit = off: where no index serves (the inbox by group), enable_seqscan = off leaves a
--- sequential scan costed at 10^10, which passes every JIT threshold, and compiling the
--- recount took 440-590 ms a sweep on a 100,000-row table (2 ms without JIT), then on the
--- coordinator's own connection: W1 lost 17 % to it (bench/pipeline, 3 December).
+-- their plpgsql plans go generic after five calls, made for the tables as they were then: a
+-- sweep planned on a small table recounted each group by a sequential scan of the grown one (47
+-- scans for 20 groups after 100,000 inserts: TestFaninSweepPlansStaleStatistics). So they run
+-- with enable_seqscan = off, and with jit = off: where no index serves (the inbox by group),
+-- enable_seqscan = off leaves a sequential scan costed at 10^10, which passes every JIT
+-- threshold, and compiling the recount took 440-590 ms a sweep on a 100,000-row table (2 ms
+-- without JIT), then on the coordinator's own connection: W1 lost 17 % to it (bench/pipeline, 3
+-- December).
 
 -- fanin_apply applies the inbox rows p_ids in ONE statement (internal; fanin_flush calls it):
 -- deletes them, adds each group's net deltas to its counters once, fires the groups that

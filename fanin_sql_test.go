@@ -1974,11 +1974,10 @@ func TestFaninSplitPlansStaleStatistics(t *testing.T) {
 
 // TestFaninSweepPlansStaleStatistics: the sweep runs every SWEEP_INTERVAL on one of the
 // dispatcher's pooled, long-lived connections (fanin.go: startSweep), where plpgsql plans go
-// generic after five calls. Its recount
-// reads each group's children through the primary key between child_lo and child_hi, and a
-// plan made for a small table must not turn that into a scan of the grown table per group:
-// the sweep and the recount it calls scan neither workqueue nor fanout sequentially after the
-// table has grown a thousandfold since its statistics.
+// generic after five calls. Its recount reads each group's children through the primary key
+// between child_lo and child_hi, and a plan made for a small table must not turn that into a
+// scan of the grown table per group: the sweep and the recount it calls scan neither workqueue
+// nor fanout sequentially after the table has grown a thousandfold since its statistics.
 func TestFaninSweepPlansStaleStatistics(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, `ALTER TABLE workqueue SET (autovacuum_enabled = false)`)
