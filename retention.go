@@ -26,6 +26,15 @@ const (
 // retentionSQL deletes up to $3 done or cancelled rows that finished more than $1 seconds ago
 // (status_at; rows from before that column existed count from created_at), after id $2; it
 // returns how many and the last id.
+//
+// The pick locks what it picks (FOR UPDATE) and passes over rows another transaction holds
+// (SKIP LOCKED): the next walk comes back to them. Without the lock, the DELETE re-checked
+// only its join with the pick when it met a row that changed after the statement's
+// snapshot, so an operator's retry of an old cancelled message (queue_retry) that committed
+// meanwhile was deleted, pending, with the retry (TestRetentionRetryCommittedMeanwhile). The
+// lock's re-check reads the row as committed and drops it from the pick. Skipping, not
+// waiting: a held row (an operator's open transaction, an application's FOR KEY SHARE) would
+// otherwise stop the whole batch for the statement budget, and every minute again.
 const retentionSQL = `
 WITH doomed AS (
     SELECT w.workqueue_id FROM workqueue w
@@ -35,6 +44,7 @@ WITH doomed AS (
              SELECT 1 FROM fanout f WHERE f.fanout_id = w.fanout_id AND f.state = 'open'))
      ORDER BY w.workqueue_id
      LIMIT $3
+       FOR UPDATE OF w SKIP LOCKED
 ), gone AS (
     DELETE FROM workqueue q USING doomed WHERE q.workqueue_id = doomed.workqueue_id
     RETURNING q.workqueue_id
