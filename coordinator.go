@@ -179,7 +179,7 @@ func (c *coordinator) loop() error {
 			c.abort()
 			return c.fatal
 		}
-		if c.shutdown && len(c.workers) == 0 && !c.fanin.busy && !c.fanin.sweeping {
+		if c.shutdown && len(c.workers) == 0 && !c.fanin.busy && !c.fanin.sweeping && !c.retaining() {
 			c.finish()
 			return nil
 		}
@@ -231,10 +231,11 @@ type event interface {
 	handleIn(c *coordinator)
 }
 
-func (ev workerReplies) handleIn(c *coordinator) { c.onReplies(ev) } // outcome.go
-func (ev workerExit) handleIn(c *coordinator)    { c.onExit(ev) }    // supervise.go
-func (ev faninFlushed) handleIn(c *coordinator)  { c.onFlushed(ev) } // fanin.go
-func (ev faninSwept) handleIn(c *coordinator)    { c.onSwept(ev) }   // fanin.go
+func (ev workerReplies) handleIn(c *coordinator) { c.onReplies(ev) }  // outcome.go
+func (ev workerExit) handleIn(c *coordinator)    { c.onExit(ev) }     // supervise.go
+func (ev faninFlushed) handleIn(c *coordinator)  { c.onFlushed(ev) }  // fanin.go
+func (ev faninSwept) handleIn(c *coordinator)    { c.onSwept(ev) }    // fanin.go
+func (ev retentionDone) handleIn(c *coordinator) { c.onRetained(ev) } // retention.go
 
 func (c *coordinator) handle(ev event) { ev.handleIn(c) }
 
@@ -282,6 +283,9 @@ func (c *coordinator) settle() {
 	}
 	if c.claimWanted && !c.shutdown {
 		c.claim()
+	}
+	if c.inflightAll > 0 || c.shutdown {
+		c.stopRetention() // a turn runs only while the pipeline is idle
 	}
 	if c.inflightAll == 0 && c.stats.dirty() {
 		// The pipeline went idle: flush soon, so a finished burst's figures need not wait
@@ -373,15 +377,8 @@ func (c *coordinator) onTimers() {
 			c.timers.schedule(key, now.Add(watchdogInterval()))
 		case timerRetention:
 			c.timers.schedule(key, now.Add(retentionEvery))
-			if c.inflightAll == 0 && !c.shutdown {
-				ctx, cancel := c.budget()
-				n, err := c.retain.turn(ctx, c.db)
-				cancel()
-				if err != nil {
-					c.log.Warn("retention turn failed; next turn in a minute", "err", err)
-				} else if n > 0 {
-					c.log.Info("retention: deleted old done rows", "rows", n, "older_than", c.cfg.Dispatch.Retention)
-				}
+			if c.inflightAll == 0 && c.locked && !c.shutdown && !c.retain.running {
+				c.startRetention() // settle cancels it when messages are in flight again
 			}
 		case timerMetrics:
 			c.metrics.publish(c.snapshot())

@@ -5,8 +5,17 @@
 // retentionBatches per turn and one turn per retentionEvery. Rows are walked in id order from a
 // cursor kept in memory, so a turn does not rescan what the previous one deleted; a batch that
 // finds fewer rows than it may delete has reached the end, and the walk starts over next turn.
-// Failed rows are kept until a person acts (pepsi-queue delete); children of fan-out groups that are still open are never touched (their parent still
-// needs them, and the fan-in trigger refuses it anyway).
+// Failed rows are kept until a person acts (pepsi-queue delete); children of fan-out groups
+// that are still open are never touched (their parent still needs them, and the fan-in
+// trigger refuses it anyway).
+//
+// A turn runs in the background on a pooled connection, like the fan-in sweep, and the
+// coordinator cancels it as soon as it has messages in flight again. It once ran on the
+// coordinator's goroutine: nothing was claimed while it ran, which is as long as a walk over
+// the whole table when no row is old enough yet (about 120 ms per million rows here, each
+// minute), or the statement budget when a delete waited for a lock (an application's row
+// referencing a message, ON DELETE SET NULL, held by an open transaction:
+// TestRetentionBlockedClaimsGoOn).
 
 package main
 
@@ -51,27 +60,84 @@ WITH doomed AS (
 )
 SELECT count(*), coalesce(max(workqueue_id), 0) FROM gone`
 
-// retainer keeps the walk's cursor between turns; owned by the coordinator.
+// retainer is the retention's state; owned by the coordinator. While a turn runs, the
+// cursor is the goroutine's: it comes back with the turn's result.
 type retainer struct {
-	age    time.Duration
-	cursor int64
+	age     time.Duration
+	cursor  int64
+	running bool               // a turn runs in the background
+	stopped bool               // ... and the coordinator has cancelled it
+	stop    context.CancelFunc // cancels the running turn
 }
 
-// turn deletes up to retentionBatches batches; it returns the rows deleted.
-func (r *retainer) turn(ctx context.Context, db *sql.DB) (int64, error) {
+// retentionDone is a turn's result, sent by the goroutine that ran it.
+type retentionDone struct {
+	n      int64 // rows deleted, by the batches that committed
+	cursor int64 // where the next turn starts
+	err    error
+}
+
+// retentionTurn deletes up to retentionBatches batches from cursor on; it returns the rows
+// deleted and where the next turn starts (after the last batch that committed).
+func retentionTurn(ctx context.Context, db *sql.DB, age time.Duration, cursor int64) (int64, int64, error) {
 	var total int64
 	for i := 0; i < retentionBatches; i++ {
 		var n, last int64
-		err := db.QueryRowContext(ctx, retentionSQL, r.age.Seconds(), r.cursor, retentionBatch).Scan(&n, &last)
+		err := db.QueryRowContext(ctx, retentionSQL, age.Seconds(), cursor, retentionBatch).Scan(&n, &last)
 		if err != nil {
-			return total, fmt.Errorf("retention: delete done rows older than %v: %w", r.age, err)
+			return total, cursor, fmt.Errorf("retention: delete done rows older than %v: %w", age, err)
 		}
 		total += n
 		if n < retentionBatch {
-			r.cursor = 0 // reached rows too young (or the end): start over next turn
-			break
+			return total, 0, nil // reached rows too young (or the end): start over next turn
 		}
-		r.cursor = last
+		cursor = last
 	}
-	return total, nil
+	return total, cursor, nil
+}
+
+// startRetention runs a turn in the background, within one statement budget.
+func (c *coordinator) startRetention() {
+	r := c.retain
+	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
+	r.running, r.stopped, r.stop = true, false, cancel
+	age, cursor := r.age, r.cursor
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		defer cancel()
+		n, next, err := retentionTurn(ctx, c.db, age, cursor)
+		select {
+		case c.events <- retentionDone{n: n, cursor: next, err: err}:
+		case <-c.ctx.Done():
+		}
+	}()
+}
+
+// stopRetention cancels a running turn: the pipeline has work again, or a shutdown began.
+// The batch in progress rolls back; the next turn goes on from the last one that committed.
+func (c *coordinator) stopRetention() {
+	if r := c.retain; r != nil && r.running && !r.stopped {
+		r.stopped = true
+		r.stop()
+	}
+}
+
+// retaining reports whether a turn is still running (the shutdown waits for it).
+func (c *coordinator) retaining() bool { return c.retain != nil && c.retain.running }
+
+// onRetained takes a turn's result.
+func (c *coordinator) onRetained(ev retentionDone) {
+	r := c.retain
+	r.running = false
+	r.cursor = ev.cursor
+	switch {
+	case ev.err != nil && r.stopped:
+		c.log.Debug("retention turn stopped: the pipeline has work again", "rows", ev.n)
+	case ev.err != nil:
+		c.log.Warn("retention turn failed; next turn in a minute", "err", ev.err)
+	}
+	if ev.n > 0 {
+		c.log.Info("retention: deleted old done rows", "rows", ev.n, "older_than", r.age)
+	}
 }

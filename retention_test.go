@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 )
@@ -36,9 +37,8 @@ func TestRetentionRetryCommittedMeanwhile(t *testing.T) {
 		err error
 	}
 	turned := make(chan result, 1)
-	r := &retainer{age: 7 * 24 * time.Hour}
 	go func() {
-		n, err := r.turn(context.Background(), s.DB)
+		n, _, err := retentionTurn(context.Background(), s.DB, 7*24*time.Hour, 0)
 		turned <- result{n, err}
 	}()
 	var got *result
@@ -76,4 +76,55 @@ func TestRetentionRetryCommittedMeanwhile(t *testing.T) {
 		t.Errorf("the turn deleted %d rows, %d left; want the 2 other old cancelled rows deleted, 1 left",
 			got.n, s.count(t, `SELECT count(*) FROM workqueue`))
 	}
+}
+
+// TestRetentionBlockedClaimsGoOn: a retention turn that waits (here for a row lock, through an
+// application's foreign key to a message, ON DELETE SET NULL, whose referencing row an open
+// transaction holds) does not stop the dispatcher: messages enqueued meanwhile run at once,
+// and the turn, cancelled because the pipeline has work again, deletes nothing. On the
+// coordinator's own goroutine, as it was, the turn held every claim for the statement
+// budget.
+func TestRetentionBlockedClaimsGoOn(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	s.exec(t, `CREATE TABLE app_ref (msg bigint REFERENCES workqueue ON DELETE SET NULL)`)
+	old := int64(s.count(t, `INSERT INTO workqueue (stage, status, created_at, status_at)
+	    VALUES ('zz', 'done', now() - interval '10 days', now() - interval '8 days') RETURNING workqueue_id`))
+	s.exec(t, `INSERT INTO app_ref VALUES ($1)`, old)
+	tx, err := s.DB.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	var holder int
+	if err := tx.QueryRow(`SELECT pg_backend_pid() FROM app_ref FOR UPDATE`).Scan(&holder); err != nil {
+		t.Fatalf("lock the referencing row: %v", err)
+	}
+
+	d := startDaemon(t, baseConf(s, "RETENTION = 7d")+stageConf(t, "a", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"), "pipeline")
+	blocked := func() int {
+		return s.count(t, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY (pg_blocking_pids(pid))`, holder)
+	}
+	// The first turn comes 1 s after the start; its delete waits for the referencing row.
+	waitFor(t, 30*time.Second, "the retention turn waiting for the referencing row's lock", func() bool { return blocked() == 1 })
+	since := time.Now()
+	enqueue(t, s, "a", 5, `{}`)
+	waitFor(t, dbStatementBudget/2, "the 5 messages done while the retention turn waits", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE stage = 'a' AND status = 'done'`) == 5
+	})
+	took := time.Since(since)
+	waitFor(t, 10*time.Second, "the retention turn cancelled", func() bool { return blocked() == 0 })
+	d.waitLog("retention turn stopped: the pipeline has work again", 5*time.Second)
+	if strings.Contains(d.log.String(), "retention turn failed") {
+		t.Errorf("the turn failed instead of being stopped:\n%s", d.log.String())
+	}
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1`, old); n != 1 {
+		t.Errorf("the old done row is gone, but its delete was cancelled")
+	}
+	if n := s.count(t, `SELECT count(*) FROM (SELECT id, stage FROM runs GROUP BY id, stage HAVING count(*) > 1) x`); n != 0 {
+		t.Errorf("%d (message, stage) pairs ran more than once", n)
+	}
+	t.Logf("5 messages done %v after they were enqueued, while the turn waited", took.Round(time.Millisecond))
+	tx.Rollback()
+	d.stop()
 }
