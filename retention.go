@@ -133,7 +133,7 @@ func (c *coordinator) onRetained(ev retentionDone) {
 	r.cursor = ev.cursor
 	switch {
 	case ev.err != nil && r.stopped:
-		c.log.Debug("retention turn stopped: the pipeline has work again", "rows", ev.n)
+		c.log.Debug("retention turn stopped: messages in flight, or a shutdown", "rows", ev.n)
 	case ev.err != nil:
 		c.log.Warn("retention turn failed; next turn in a minute", "err", ev.err)
 	}
