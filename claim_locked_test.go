@@ -151,3 +151,48 @@ func TestClaimRowLockedElsewhere(t *testing.T) {
 	}
 	d.stop()
 }
+
+// TestRetryFlipRowLockedElsewhere: a transaction that holds the lock of a paused row that is
+// due, left open, does not stop the dispatcher. The return of due paused rows passes the
+// held row over: messages enqueued meanwhile run, and the held row runs exactly once after its
+// lock goes (the heartbeat's claim reports it due again). Before, the flip waited for the row
+// on the coordinator's loop, was cancelled at its budget and tried again, and no claim was
+// made in between.
+func TestRetryFlipRowLockedElsewhere(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	var held int64
+	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, payload, status, retry_at, attempts)
+	    VALUES ('a', '{}', 'paused', now() - interval '1 second', 1) RETURNING workqueue_id`).Scan(&held); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := s.DB.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	if _, err := tx.Exec(`UPDATE workqueue SET priority = priority WHERE workqueue_id = $1`, held); err != nil {
+		t.Fatalf("lock the paused row: %v", err)
+	}
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"), "pipeline")
+	d.waitLog("dispatching", 30*time.Second)
+	enqueue(t, s, "a", 5, `{}`)
+	waitFor(t, dbStatementBudget/2, "the 5 new messages done while a due paused row is held", func() bool {
+		return countStatus(t, s, "done") == 5
+	})
+	if st := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'paused'`, held); st != 1 {
+		t.Errorf("the held paused row is no longer paused while its lock is held")
+	}
+	if strings.Contains(d.log.String(), "database connection lost") {
+		t.Errorf("the dispatcher lost its lock connection over a held row:\n%s", d.log.String())
+	}
+	tx.Rollback()
+	waitFor(t, 30*time.Second, "the held row done once its lock went", func() bool { return countStatus(t, s, "done") == 6 })
+	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, held); n != 1 {
+		t.Errorf("the held row ran %d times, want 1", n)
+	}
+	if n := s.count(t, `SELECT count(*) FROM (SELECT id, stage FROM runs GROUP BY id, stage HAVING count(*) > 1) x`); n != 0 {
+		t.Errorf("%d (message, stage) pairs ran more than once", n)
+	}
+	d.stop()
+}

@@ -56,10 +56,21 @@ UPDATE workqueue q SET status = 'pending', status_at = now()
 
 // retrySQL returns due paused rows to pending (whoever paused them: a failure or a stage's
 // defer), and says when the next one is due.
+//
+// It locks what it picks and passes over the rows another transaction holds (SKIP LOCKED):
+// it runs on the coordinator's loop, and waiting there for one row that an operator's open
+// transaction holds stopped every claim, the flip cancelled at its budget and tried again,
+// for as long as the lock lasted (TestRetryFlipRowLockedElsewhere). A held row stays paused
+// and overdue; the next claim reports the earliest paused retry_at, overdue ones included,
+// so the retry timer comes back to it at the heartbeat after its lock goes. Flips are rare
+// (failures and defers), so the row lock before the update costs nothing that matters.
 const retrySQL = `
 WITH due AS (
-    UPDATE workqueue SET status = 'pending', retry_at = NULL, status_at = now()
-     WHERE status = 'paused' AND retry_at <= now()
+    UPDATE workqueue w SET status = 'pending', retry_at = NULL, status_at = now()
+     WHERE w.workqueue_id IN (SELECT p.workqueue_id FROM workqueue p
+                               WHERE p.status = 'paused' AND p.retry_at <= now()
+                                 FOR UPDATE SKIP LOCKED)
+       AND w.status = 'paused'
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM due),
