@@ -175,6 +175,9 @@ func (c *coordinator) loop() error {
 	c.claimWanted, c.retryWanted = true, true
 	for {
 		c.settle()
+		if c.inflightAll > 0 || c.shutdown {
+			c.stopRetention() // a turn runs only while the pipeline is idle (after any return of settle)
+		}
 		if c.fatal != nil {
 			c.abort()
 			return c.fatal
@@ -283,9 +286,6 @@ func (c *coordinator) settle() {
 	}
 	if c.claimWanted && !c.shutdown {
 		c.claim()
-	}
-	if c.inflightAll > 0 || c.shutdown {
-		c.stopRetention() // a turn runs only while the pipeline is idle
 	}
 	if c.inflightAll == 0 && c.stats.dirty() {
 		// The pipeline went idle: flush soon, so a finished burst's figures need not wait
