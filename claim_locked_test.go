@@ -196,3 +196,29 @@ func TestRetryFlipRowLockedElsewhere(t *testing.T) {
 	}
 	d.stop()
 }
+
+// TestScheduleRetryPassedOver: a due time that was already past when the last flip started
+// (a row the flip passed over because another transaction held it) is tried again a gap after
+// that flip, however often claims report it; one that came due after the flip started is kept.
+func TestScheduleRetryPassedOver(t *testing.T) {
+	c := &coordinator{timers: newTimerHeap()}
+	c.lastFlip = time.Now()
+	for _, tc := range []struct {
+		what      string
+		due, want time.Time
+	}{
+		{"due before the flip (passed over)", c.lastFlip.Add(-time.Minute), c.lastFlip.Add(heldRetryGap)},
+		{"due as the flip started", c.lastFlip, c.lastFlip.Add(heldRetryGap)},
+		{"due after the flip started", c.lastFlip.Add(time.Millisecond), c.lastFlip.Add(time.Millisecond)},
+		{"due later", c.lastFlip.Add(time.Hour), c.lastFlip.Add(time.Hour)},
+	} {
+		c.scheduleRetry(tc.due)
+		if at, ok := c.timers.next(); !ok || !at.Equal(tc.want) {
+			t.Errorf("%s: retry timer at %v (set %v), want %v", tc.what, at, ok, tc.want)
+		}
+	}
+	c.scheduleRetry(time.Time{})
+	if at, ok := c.timers.next(); ok {
+		t.Errorf("no paused row: the retry timer is still set, at %v", at)
+	}
+}

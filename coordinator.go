@@ -87,6 +87,7 @@ type coordinator struct {
 
 	stats          *Stats
 	lastStatsFlush time.Time // the last flush attempt
+	lastFlip       time.Time // when the last return of due paused rows started (scheduleRetry)
 
 	shutdown bool  // a signal arrived: no claims, workers finish their queues
 	fatal    error // ends the loop with exit status 1
@@ -270,6 +271,7 @@ func (c *coordinator) settle() {
 	}
 	if c.retryWanted {
 		ctx, cancel := c.budget()
+		c.lastFlip = time.Now()
 		n, next, err := flipDue(ctx, c.inst.conn)
 		cancel()
 		if err != nil {
@@ -299,12 +301,22 @@ func (c *coordinator) settle() {
 	}
 }
 
+// heldRetryGap: how soon a due paused row that the last flip did not return is tried again.
+const heldRetryGap = time.Second
+
 // scheduleRetry sets the retry timer to the earliest paused row's due time (zero: none).
+// A due time no later than the start of the last flip belongs to a row that flip passed over,
+// held by another transaction (retrySQL), or one that the database's clock, behind ours, did
+// not see as due yet. Every claim reports it again; it is tried heldRetryGap after that flip,
+// not once after every claim, nor in a loop of flips until the clocks agree.
 func (c *coordinator) scheduleRetry(next time.Time) {
 	key := timerKey{kind: timerRetry}
 	if next.IsZero() {
 		c.timers.cancel(key)
 		return
+	}
+	if !c.lastFlip.IsZero() && !next.After(c.lastFlip) {
+		next = c.lastFlip.Add(heldRetryGap)
 	}
 	c.timers.schedule(key, next)
 }

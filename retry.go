@@ -61,9 +61,11 @@ UPDATE workqueue q SET status = 'pending', status_at = now()
 // it runs on the coordinator's loop, and waiting there for one row that an operator's open
 // transaction holds stopped every claim, the flip cancelled at its budget and tried again,
 // for as long as the lock lasted (TestRetryFlipRowLockedElsewhere). A held row stays paused
-// and overdue; the next claim reports the earliest paused retry_at, overdue ones included,
-// so the retry timer comes back to it at the heartbeat after its lock goes. Flips are rare
-// (failures and defers), so the row lock before the update costs nothing that matters.
+// and overdue; every claim reports the earliest paused retry_at, overdue ones included, and
+// scheduleRetry tries such a row again a second after the flip that passed it over (the
+// heartbeat's claim reports it when the pipeline is idle), so it is returned soon after its
+// lock goes. Flips are rare (failures and defers), so the row lock before the update costs
+// nothing that matters.
 const retrySQL = `
 WITH due AS (
     UPDATE workqueue w SET status = 'pending', retry_at = NULL, status_at = now()
