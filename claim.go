@@ -325,6 +325,14 @@ func mustReplace(s, old, new string, n int) string {
 // only after a reload removed a stage's limit, or from a previous run with another
 // configuration: the coordinator runs it at start and after such a reload, until a run
 // finds less than a chunk (keys.go's unpark), and never on the path of an ordinary claim.
+//
+// It locks what it picks and passes over the rows another transaction holds (SKIP LOCKED),
+// like the return of paused rows (retry.go) and for the same reason: it runs on the loop
+// ahead of the claim, and waiting there for one parked row that an open transaction holds
+// stopped every claim, the unpark cancelled at its budget (the lock connection with it) and
+// run again (TestUnparkRowLockedElsewhere). Its second column says whether parked rows of
+// those stages are left besides the ones it took, which, in a run that took less than a
+// chunk, are rows it passed over: the coordinator runs it again a second later.
 const unparkSQL = `
 WITH unparking AS (
     UPDATE workqueue q SET key_parked = false
@@ -332,11 +340,15 @@ WITH unparking AS (
              SELECT w.workqueue_id FROM workqueue w
               WHERE w.status = 'pending' AND w.key_parked AND w.stage <> ALL ($1::text[])
               ORDER BY w.stage, w.concurrency_key, w.priority, w.workqueue_id
-              LIMIT 2000))
+              LIMIT 2000
+                FOR NO KEY UPDATE OF w SKIP LOCKED))
        AND coalesce(q.status, '') = 'pending'
-    RETURNING 1
+    RETURNING q.workqueue_id
 )
-SELECT count(*) FROM unparking`
+SELECT (SELECT count(*) FROM unparking),
+       EXISTS (SELECT 1 FROM workqueue w
+                WHERE w.status = 'pending' AND w.key_parked AND w.stage <> ALL ($1::text[])
+                  AND w.workqueue_id <> ALL (ARRAY(SELECT workqueue_id FROM unparking)))`
 
 // parkChunk bounds the rows one claim parks (claimKeyedSQL's LIMIT 2000, per key and in all)
 // and one unparkSQL puts back (the statements stay literals, which the benchmark reads out
@@ -525,12 +537,13 @@ func (cl *claimer) queryKeyed(ctx context.Context, keys *keyLoad, skip bool) (*s
 		pq.Array(cl.busyStages), pq.Array(cl.busyKs), pq.Array(cl.busyNs))
 }
 
-// unpark runs unparkSQL for the stages without a limit: limit holds those with one.
-func (cl *claimer) unpark(ctx context.Context, conn *sql.Conn, limit map[string]int) (int64, error) {
+// unpark runs unparkSQL for the stages without a limit: limit holds those with one. It
+// returns the rows it unparked and whether parked rows of those stages are left.
+func (cl *claimer) unpark(ctx context.Context, conn *sql.Conn, limit map[string]int) (int64, bool, error) {
 	cl.use(conn)
 	st, err := cl.prepared(ctx, &cl.unparkSt, unparkSQL)
 	if err != nil {
-		return 0, fmt.Errorf("prepare unpark: %w", err)
+		return 0, false, fmt.Errorf("prepare unpark: %w", err)
 	}
 	// Not nil when empty: pq.Array sends a nil slice as NULL, and <> ALL (NULL) is never true.
 	limited := make([]string, 0, len(limit))
@@ -538,10 +551,11 @@ func (cl *claimer) unpark(ctx context.Context, conn *sql.Conn, limit map[string]
 		limited = append(limited, name)
 	}
 	var n int64
-	if err := st.QueryRowContext(ctx, pq.Array(limited)).Scan(&n); err != nil {
-		return 0, fmt.Errorf("unpark: %w", err)
+	var left bool
+	if err := st.QueryRowContext(ctx, pq.Array(limited)).Scan(&n, &left); err != nil {
+		return 0, false, fmt.Errorf("unpark: %w", err)
 	}
-	return n, nil
+	return n, left, nil
 }
 
 // use makes conn the connection the statements are prepared on; those prepared on another
@@ -591,8 +605,8 @@ func (c *coordinator) claim() {
 		return // every stage is full or held: replies and timers will ask again
 	}
 	ctx, cancel := c.budget()
-	if c.keys.unpark {
-		n, err := c.claimer.unpark(ctx, c.inst.conn, c.keys.limit)
+	if c.keys.unpark && !now.Before(c.keys.unparkAt) {
+		n, left, err := c.claimer.unpark(ctx, c.inst.conn, c.keys.limit)
 		if err != nil {
 			cancel()
 			c.claimWanted = true
@@ -602,7 +616,13 @@ func (c *coordinator) claim() {
 		if n > 0 {
 			c.log.Info("rows parked under a KEY_LIMIT since removed go back to pending", "rows", n)
 		}
-		c.keys.unpark = n >= parkChunk // a full chunk: there may be more, for the next claim
+		// A full chunk: there may be more, for the next claim. Less, with parked rows left:
+		// rows another transaction holds, passed over; again a second later, not before
+		// every claim.
+		c.keys.unpark = n >= parkChunk || left
+		if n < parkChunk && left {
+			c.keys.unparkAt = now.Add(heldRetryGap)
+		}
 	}
 	t0 := time.Now()
 	res, err := c.claimer.claim(ctx, c.inst.conn, c.want, &c.keys)

@@ -222,3 +222,45 @@ func TestScheduleRetryPassedOver(t *testing.T) {
 		t.Errorf("no paused row: the retry timer is still set, at %v", at)
 	}
 }
+
+// TestUnparkRowLockedElsewhere: a parked row (a KEY_LIMIT's, left by a run whose stage had one)
+// held by an open transaction when the dispatcher starts does not stop it. The unpark at start
+// passes the held row over: messages of another stage run, and the held row is unparked and
+// runs exactly once after its lock goes. Before, the unpark waited for the row on the
+// coordinator's loop ahead of every claim, was cancelled at its budget (the lock connection
+// with it) and ran again.
+func TestUnparkRowLockedElsewhere(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	var held int64
+	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, payload, concurrency_key, key_parked)
+	    VALUES ('a', '{}', 'k', true) RETURNING workqueue_id`).Scan(&held); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := s.DB.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	if _, err := tx.Exec(`UPDATE workqueue SET priority = priority WHERE workqueue_id = $1`, held); err != nil {
+		t.Fatalf("lock the parked row: %v", err)
+	}
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "")+stageConf(t, "b", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"), "pipeline")
+	d.waitLog("dispatching", 30*time.Second)
+	enqueue(t, s, "b", 5, `{}`)
+	waitFor(t, dbStatementBudget/2, "the 5 messages of stage b done while a parked row is held", func() bool {
+		return countStatus(t, s, "done") == 5
+	})
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'pending' AND key_parked`, held); n != 1 {
+		t.Errorf("the held row is no longer parked and pending while its lock is held")
+	}
+	if strings.Contains(d.log.String(), "database connection lost") {
+		t.Errorf("the dispatcher lost its lock connection over a held row:\n%s", d.log.String())
+	}
+	tx.Rollback()
+	waitFor(t, 30*time.Second, "the held row done once its lock went", func() bool { return countStatus(t, s, "done") == 6 })
+	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, held); n != 1 {
+		t.Errorf("the held row ran %d times, want 1", n)
+	}
+	d.stop()
+}

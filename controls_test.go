@@ -646,7 +646,7 @@ func TestControlsSaturatedKeyClaimCost(t *testing.T) {
 // back those of stages without a limit, parkChunk per run, leaves a limited stage's alone,
 // and the plain claims that follow take every one of them, once each.
 func TestControlsKeyLimitRemovedUnparks(t *testing.T) {
-	if !strings.Contains(unparkSQL, fmt.Sprintf("LIMIT %d))", parkChunk)) {
+	if !strings.Contains(unparkSQL, fmt.Sprintf("LIMIT %d\n", parkChunk)) {
 		t.Fatalf("unparkSQL's LIMIT is not parkChunk (%d)", parkChunk)
 	}
 	s := newTestSchema(t)
@@ -680,7 +680,7 @@ func TestControlsKeyLimitRemovedUnparks(t *testing.T) {
 	// a's KEY_LIMIT removed, b keeps its own: a's rows come back in chunks, b's stay.
 	unparked, runs := int64(0), 0
 	for {
-		got, err := cl.unpark(ctx, conn, map[string]int{"b": 1})
+		got, left, err := cl.unpark(ctx, conn, map[string]int{"b": 1})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -690,6 +690,9 @@ func TestControlsKeyLimitRemovedUnparks(t *testing.T) {
 		}
 		unparked += got
 		if got < parkChunk {
+			if left {
+				t.Errorf("the last run (%d rows) says parked rows of a are left; nobody holds any", got)
+			}
 			break
 		}
 	}

@@ -14,6 +14,8 @@
 
 package main
 
+import "time"
+
 // stageKey is one concurrency key of one stage.
 type stageKey struct{ stage, key string }
 
@@ -23,8 +25,10 @@ type keyLoad struct {
 	busy  map[stageKey]int // messages with a key in workers' queues; no zero entries
 	// unpark: rows may be parked in stages without a limit (at start, from the previous
 	// run's configuration; after a reload that removed one), so the claim first runs
-	// unparkSQL, until a run of it finds less than a chunk.
-	unpark bool
+	// unparkSQL, until a run of it finds less than a chunk and leaves no parked row behind
+	// (one another transaction holds: then not again before unparkAt).
+	unpark   bool
+	unparkAt time.Time
 }
 
 // limitsOf takes the limits of a new stage table (at start and with every reload).

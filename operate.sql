@@ -35,8 +35,8 @@
 --     stage) that meets one of them waits: callers pass at most a batch of ids per call
 --     (pepsi-queue: 1,000), so a wait is a few milliseconds. (A transaction left open on a
 --     pending row costs the claim its budget once, then it claims past locked rows: claim.go.
---     The return of due paused rows and retention always pass over held rows: retry.go,
---     retention.go.)
+--     The return of due paused rows, the unpark and retention always pass over held rows:
+--     retry.go, claim.go, retention.go.)
 
 -- Databases made before held and cancelled existed: widen the status check once.
 DO $$
