@@ -8,25 +8,31 @@ import (
 	"time"
 )
 
-// lockPendingRow makes a pending row at stage and holds its lock in an open transaction, as a
-// producer's or an operator's UPDATE left open in psql would (the row stays pending and
-// visible to the claim). The lock goes with the returned rollback.
-func lockPendingRow(t *testing.T, s *testSchema, stage, key string) (id int64, rollback func()) {
+// holdRow inserts one row (insert ends in RETURNING workqueue_id) and holds its lock in an
+// open transaction, as an UPDATE left uncommitted in psql would. The lock goes with the
+// returned rollback.
+func holdRow(t *testing.T, s *testSchema, insert string, args ...any) (id int64, rollback func()) {
 	t.Helper()
-	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, payload, concurrency_key) VALUES ($1, '{}', nullif($2, ''))
-	    RETURNING workqueue_id`, stage, key).Scan(&id); err != nil {
-		t.Fatalf("insert the row to lock: %v", err)
+	if err := s.DB.QueryRow(insert, args...).Scan(&id); err != nil {
+		t.Fatalf("insert the row to hold: %v", err)
 	}
 	tx, err := s.DB.Begin()
 	if err != nil {
 		t.Fatalf("begin the lock holder: %v", err)
 	}
-	if res, err := tx.Exec(`UPDATE workqueue SET priority = priority WHERE workqueue_id = $1 AND status = 'pending'`, id); err != nil {
+	if _, err := tx.Exec(`UPDATE workqueue SET priority = priority WHERE workqueue_id = $1`, id); err != nil {
 		t.Fatalf("lock row %d: %v", id, err)
-	} else if n, _ := res.RowsAffected(); n != 1 {
-		t.Fatalf("lock row %d: it was no longer pending", id)
 	}
 	return id, func() { tx.Rollback() }
+}
+
+// lockPendingRow makes a pending row at stage and holds its lock in an open transaction, as a
+// producer's or an operator's UPDATE left open in psql would (the row stays pending and
+// visible to the claim).
+func lockPendingRow(t *testing.T, s *testSchema, stage, key string) (id int64, rollback func()) {
+	t.Helper()
+	return holdRow(t, s, `INSERT INTO workqueue (stage, payload, concurrency_key) VALUES ($1, '{}', nullif($2, ''))
+	    RETURNING workqueue_id`, stage, key)
 }
 
 // TestClaimSkipLockedVariants: in skip mode both claims (with and without a KEY_LIMIT) take
@@ -155,38 +161,40 @@ func TestClaimRowLockedElsewhere(t *testing.T) {
 // TestRetryFlipRowLockedElsewhere: a transaction that holds the lock of a paused row that is
 // due, left open, does not stop the dispatcher. The return of due paused rows passes the
 // held row over: messages enqueued meanwhile run, and the held row runs exactly once after its
-// lock goes (the heartbeat's claim reports it due again). Before, the flip waited for the row
-// on the coordinator's loop, was cancelled at its budget and tried again, and no claim was
-// made in between.
+// lock goes (the claims report it due again). Before, the flip waited for the row on the
+// coordinator's loop, was cancelled at its budget (the lock connection with it) and tried
+// again, and no claim was made in between.
 func TestRetryFlipRowLockedElsewhere(t *testing.T) {
+	heldRowPassedOver(t, stageConf(t, "a", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"), "a",
+		`INSERT INTO workqueue (stage, payload, status, retry_at, attempts)
+		 VALUES ('a', '{}', 'paused', now() - interval '1 second', 1) RETURNING workqueue_id`,
+		`SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'paused'`)
+}
+
+// heldRowPassedOver is the scenario of the tests around it: a row made by insert is held by an
+// open transaction from before the dispatcher (stages) starts; five messages enqueued at stage
+// must then be done within half a statement budget, with the held row still as whileHeld
+// (a count of it) says and the lock connection never lost; once the lock goes, the held row
+// must run exactly once.
+func heldRowPassedOver(t *testing.T, stages, stage, insert, whileHeld string) {
+	t.Helper()
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
-	var held int64
-	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, payload, status, retry_at, attempts)
-	    VALUES ('a', '{}', 'paused', now() - interval '1 second', 1) RETURNING workqueue_id`).Scan(&held); err != nil {
-		t.Fatal(err)
-	}
-	tx, err := s.DB.Begin()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback()
-	if _, err := tx.Exec(`UPDATE workqueue SET priority = priority WHERE workqueue_id = $1`, held); err != nil {
-		t.Fatalf("lock the paused row: %v", err)
-	}
-	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"), "pipeline")
+	held, rollback := holdRow(t, s, insert)
+	defer rollback()
+	d := startDaemon(t, baseConf(s, "")+stages, "pipeline")
 	d.waitLog("dispatching", 30*time.Second)
-	enqueue(t, s, "a", 5, `{}`)
-	waitFor(t, dbStatementBudget/2, "the 5 new messages done while a due paused row is held", func() bool {
+	enqueue(t, s, stage, 5, `{}`)
+	waitFor(t, dbStatementBudget/2, "the 5 new messages done while a row is held", func() bool {
 		return countStatus(t, s, "done") == 5
 	})
-	if st := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'paused'`, held); st != 1 {
-		t.Errorf("the held paused row is no longer paused while its lock is held")
+	if n := s.count(t, whileHeld, held); n != 1 {
+		t.Errorf("the held row changed while its lock is held (%s: %d)", whileHeld, n)
 	}
 	if strings.Contains(d.log.String(), "database connection lost") {
 		t.Errorf("the dispatcher lost its lock connection over a held row:\n%s", d.log.String())
 	}
-	tx.Rollback()
+	rollback()
 	waitFor(t, 30*time.Second, "the held row done once its lock went", func() bool { return countStatus(t, s, "done") == 6 })
 	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, held); n != 1 {
 		t.Errorf("the held row ran %d times, want 1", n)
@@ -230,37 +238,7 @@ func TestScheduleRetryPassedOver(t *testing.T) {
 // coordinator's loop ahead of every claim, was cancelled at its budget (the lock connection
 // with it) and ran again.
 func TestUnparkRowLockedElsewhere(t *testing.T) {
-	s := newTestSchema(t)
-	s.exec(t, runsDDL)
-	var held int64
-	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, payload, concurrency_key, key_parked)
-	    VALUES ('a', '{}', 'k', true) RETURNING workqueue_id`).Scan(&held); err != nil {
-		t.Fatal(err)
-	}
-	tx, err := s.DB.Begin()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback()
-	if _, err := tx.Exec(`UPDATE workqueue SET priority = priority WHERE workqueue_id = $1`, held); err != nil {
-		t.Fatalf("lock the parked row: %v", err)
-	}
-	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "")+stageConf(t, "b", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"), "pipeline")
-	d.waitLog("dispatching", 30*time.Second)
-	enqueue(t, s, "b", 5, `{}`)
-	waitFor(t, dbStatementBudget/2, "the 5 messages of stage b done while a parked row is held", func() bool {
-		return countStatus(t, s, "done") == 5
-	})
-	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'pending' AND key_parked`, held); n != 1 {
-		t.Errorf("the held row is no longer parked and pending while its lock is held")
-	}
-	if strings.Contains(d.log.String(), "database connection lost") {
-		t.Errorf("the dispatcher lost its lock connection over a held row:\n%s", d.log.String())
-	}
-	tx.Rollback()
-	waitFor(t, 30*time.Second, "the held row done once its lock went", func() bool { return countStatus(t, s, "done") == 6 })
-	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, held); n != 1 {
-		t.Errorf("the held row ran %d times, want 1", n)
-	}
-	d.stop()
+	heldRowPassedOver(t, stageConf(t, "a", "", "")+stageConf(t, "b", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"), "b",
+		`INSERT INTO workqueue (stage, payload, concurrency_key, key_parked) VALUES ('a', '{}', 'k', true) RETURNING workqueue_id`,
+		`SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'pending' AND key_parked`)
 }
