@@ -147,15 +147,28 @@ func TestClaimRowLockedElsewhere(t *testing.T) {
 	if n := countStatus(t, s, "pending"); n != 1 {
 		t.Errorf("%d rows pending while the lock is held, want the locked one", n)
 	}
+	heldRowRunsOnce(t, s, locked, rollback, 9)
+	d.stop()
+}
+
+// heldRowRunsOnce lets a held row go (rollback) and requires that it then runs exactly once,
+// with wantDone rows done in all, and that no (message, stage) ran twice (runsDDL's table).
+func heldRowRunsOnce(t *testing.T, s *testSchema, held int64, rollback func(), wantDone int) {
+	t.Helper()
 	rollback()
-	waitFor(t, 30*time.Second, "the locked row done once its lock went", func() bool { return countStatus(t, s, "done") == 9 })
-	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, locked); n != 1 {
-		t.Errorf("the locked row ran %d times, want 1", n)
+	waitFor(t, 30*time.Second, "the held row done once its lock went", func() bool { return countStatus(t, s, "done") == wantDone })
+	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, held); n != 1 {
+		t.Errorf("the held row ran %d times, want 1", n)
 	}
+	noRunTwice(t, s)
+}
+
+// noRunTwice requires that no (message, stage) ran more than once (runsDDL's table).
+func noRunTwice(t *testing.T, s *testSchema) {
+	t.Helper()
 	if n := s.count(t, `SELECT count(*) FROM (SELECT id, stage FROM runs GROUP BY id, stage HAVING count(*) > 1) x`); n != 0 {
 		t.Errorf("%d (message, stage) pairs ran more than once", n)
 	}
-	d.stop()
 }
 
 // TestRetryFlipRowLockedElsewhere: a transaction that holds the lock of a paused row that is
@@ -194,14 +207,7 @@ func heldRowPassedOver(t *testing.T, stages, stage, insert, whileHeld string) {
 	if strings.Contains(d.log.String(), "database connection lost") {
 		t.Errorf("the dispatcher lost its lock connection over a held row:\n%s", d.log.String())
 	}
-	rollback()
-	waitFor(t, 30*time.Second, "the held row done once its lock went", func() bool { return countStatus(t, s, "done") == 6 })
-	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, held); n != 1 {
-		t.Errorf("the held row ran %d times, want 1", n)
-	}
-	if n := s.count(t, `SELECT count(*) FROM (SELECT id, stage FROM runs GROUP BY id, stage HAVING count(*) > 1) x`); n != 0 {
-		t.Errorf("%d (message, stage) pairs ran more than once", n)
-	}
+	heldRowRunsOnce(t, s, held, rollback, 6)
 	d.stop()
 }
 

@@ -243,6 +243,21 @@ func (ev retentionDone) handleIn(c *coordinator) { c.onRetained(ev) } // retenti
 
 func (c *coordinator) handle(ev event) { ev.handleIn(c) }
 
+// inBackground runs work on a goroutine of the coordinator's wait group (the flush, a page of
+// the sweep, a retention turn) and sends its result to the loop as an event; when the run is
+// ending, nobody reads the events any more, and the goroutine ends without sending.
+func (c *coordinator) inBackground(work func() event) {
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		ev := work()
+		select {
+		case c.events <- ev:
+		case <-c.ctx.Done():
+		}
+	}()
+}
+
 // budget is the context of one of the loop's own statements: dbStatementBudget at most.
 func (c *coordinator) budget() (context.Context, context.CancelFunc) {
 	return context.WithTimeout(c.ctx, dbStatementBudget)
@@ -390,7 +405,7 @@ func (c *coordinator) onTimers() {
 		case timerRetention:
 			c.timers.schedule(key, now.Add(retentionEvery))
 			if c.inflightAll == 0 && c.locked && !c.shutdown && !c.retain.running {
-				c.startRetention() // settle cancels it when messages are in flight again
+				c.startRetention() // the loop stops it when messages are in flight again
 			}
 		case timerMetrics:
 			c.metrics.publish(c.snapshot())

@@ -217,15 +217,7 @@ func (c *coordinator) startFlush() {
 	f.hints = 0
 	f.inbox = false
 	clear(f.hinted)
-	c.wg.Add(1)
-	go func() {
-		defer c.wg.Done()
-		ev := f.runFlush(c.ctx, c.db)
-		select {
-		case c.events <- ev:
-		case <-c.ctx.Done():
-		}
-	}()
+	c.inBackground(func() event { return f.runFlush(c.ctx, c.db) })
 }
 
 // runFlush applies the inbox until it is empty (or a batch comes back short). It reads only
@@ -401,15 +393,10 @@ func (c *coordinator) startSweep() {
 	d := c.cfg.Dispatch
 	f.sweeping = true
 	after, page, minAge := f.sweepAfter, d.SweepPage, d.SweepMinAge
-	c.wg.Add(1)
-	go func() {
-		defer c.wg.Done()
+	c.inBackground(func() event {
 		r, err := f.sweepOnce(c.ctx, c.db, after, page, minAge)
-		select {
-		case c.events <- faninSwept{r: r, err: err}:
-		case <-c.ctx.Done():
-		}
-	}()
+		return faninSwept{r: r, err: err}
+	})
 }
 
 // onSwept takes a page of the sweep into the coordinator's state and schedules the next.

@@ -102,16 +102,11 @@ func (c *coordinator) startRetention() {
 	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
 	r.running, r.stopped, r.stop = true, false, cancel
 	age, cursor := r.age, r.cursor
-	c.wg.Add(1)
-	go func() {
-		defer c.wg.Done()
+	c.inBackground(func() event {
 		defer cancel()
 		n, next, err := retentionTurn(ctx, c.db, age, cursor)
-		select {
-		case c.events <- retentionDone{n: n, cursor: next, err: err}:
-		case <-c.ctx.Done():
-		}
-	}()
+		return retentionDone{n: n, cursor: next, err: err}
+	})
 }
 
 // stopRetention cancels a running turn: the pipeline has work again, or a shutdown began.
