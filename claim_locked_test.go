@@ -248,3 +248,101 @@ func TestUnparkRowLockedElsewhere(t *testing.T) {
 		`INSERT INTO workqueue (stage, payload, concurrency_key, key_parked) VALUES ('a', '{}', 'k', true) RETURNING workqueue_id`,
 		`SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'pending' AND key_parked`)
 }
+
+// TestTimeoutRowHeldByItsSession: a handler that wrote its own row and then waits in a
+// statement past MAX_RUNTIME is killed, but its session goes on with the statement and keeps
+// the row's lock (PostgreSQL notices a vanished client only when it next talks to it). The
+// timeout's failure write must not wait for that lock on the coordinator's loop: messages of
+// another stage enqueued meanwhile run, the lock connection stays, and the timed-out row stays
+// running, unfailed, while held (whether its stage committed is not known until the session
+// ends), through a re-lock too. Once the session's statement is cancelled, the timeout is
+// recorded and charged as an attempt, and the message runs again, once. Before, no message
+// was claimed while the row was held: the write was cancelled at its budget with the lock
+// connection, every 10 s, and the re-lock turned the timeout into a reset that charged no
+// attempt, so such a message would run again for ever.
+func TestTimeoutRowHeldByItsSession(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	d := startDaemon(t, baseConf(s, "MAX_RUNTIME = 1")+
+		stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 1\nRETRY_DELAY = 0.2")+
+		stageConf(t, "b", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"), "pipeline")
+	d.waitLog("dispatching", 30*time.Second)
+	var held int64
+	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, payload) VALUES ('a', '{"hold_at": "a"}')
+	    RETURNING workqueue_id`).Scan(&held); err != nil {
+		t.Fatalf("enqueue the message that holds its row: %v", err)
+	}
+	var session int
+	waitFor(t, 30*time.Second, "the handler's session in its endless statement", func() bool {
+		session = s.count(t, `SELECT coalesce(max(pid), 0) FROM pg_stat_activity WHERE datname = current_database() AND query = 'SELECT pg_sleep(3600)'`)
+		return session != 0
+	})
+	defer s.exec(t, `SELECT pg_cancel_backend($1)`, session)
+	d.waitLog("timeout after 1s (worker killed)", 30*time.Second)
+	enqueue(t, s, "b", 5, `{}`)
+	waitFor(t, dbStatementBudget/2, "the 5 messages of stage b done while the timed-out row is held", func() bool {
+		return countStatus(t, s, "done") == 5
+	})
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'running' AND attempts = 0`, held); n != 1 {
+		t.Errorf("the timed-out row is not running and unfailed while its session holds it")
+	}
+	if strings.Contains(d.log.String(), "database connection lost") {
+		t.Errorf("the dispatcher lost its lock connection over a held row:\n%s", d.log.String())
+	}
+	// A re-lock meanwhile (its reconcile turns the failures an outage interrupted into
+	// resets, which charge nothing) leaves the waiting failure a failure.
+	if n := s.count(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+	    WHERE pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+	      AND application_name LIKE 'pepsi-dispatch %'`); n != 1 {
+		t.Fatalf("terminated %d lock sessions, want 1", n)
+	}
+	d.waitLog("reconciled the table with memory", 30*time.Second)
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'running' AND attempts = 0`, held); n != 1 {
+		t.Errorf("the timed-out row is not running and unfailed after the re-lock, while still held")
+	}
+	s.exec(t, `SELECT pg_cancel_backend($1)`, session)
+	waitFor(t, 30*time.Second, "the timed-out message done at its second attempt", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'done'`, held) == 1
+	})
+	if n := s.count(t, `SELECT attempts FROM workqueue WHERE workqueue_id = $1`, held); n != 1 {
+		t.Errorf("the timed-out message has %d attempts, want 1: its timeout was not charged once", n)
+	}
+	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, held); n != 1 {
+		t.Errorf("the timed-out message ran to its end %d times, want 1", n)
+	}
+	noRunTwice(t, s)
+	d.stop()
+}
+
+// TestReconcileOrphanRowHeld: a re-lock's reconcile that finds a running row nobody holds (a
+// claim whose reply the outage lost) while another transaction holds that row's lock passes it
+// over and resets it once the lock goes: the claims resume at once, and the row runs exactly
+// once. Before, the reconcile waited for the row, was cancelled at its budget with the lock
+// connection, and began again after the re-lock, with no claim in between.
+func TestReconcileOrphanRowHeld(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"), "pipeline")
+	d.waitLog("dispatching", 30*time.Second)
+	held, rollback := holdRow(t, s, `INSERT INTO workqueue (stage, payload, status, claim)
+	    VALUES ('a', '{}', 'running', 424242) RETURNING workqueue_id`)
+	defer rollback()
+	if n := s.count(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+	    WHERE pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+	      AND application_name LIKE 'pepsi-dispatch %'`); n != 1 {
+		t.Fatalf("terminated %d lock sessions, want 1", n)
+	}
+	d.waitLog("single-instance lock taken again", 30*time.Second)
+	enqueue(t, s, "a", 5, `{}`)
+	waitFor(t, dbStatementBudget/2, "the 5 new messages done while the orphan is held", func() bool {
+		return countStatus(t, s, "done") == 5
+	})
+	if !strings.Contains(d.log.String(), "running_held=1") {
+		t.Errorf("the reconcile did not say it passed a held running row over:\n%s", d.log.String())
+	}
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'running'`, held); n != 1 {
+		t.Errorf("the held orphan changed while its lock is held")
+	}
+	heldRowRunsOnce(t, s, held, rollback, 6)
+	d.stop()
+}

@@ -80,6 +80,11 @@ type coordinator struct {
 	resets    []*message // reset writes not yet committed
 	dbWaiting bool       // the database refused a write: wait for timerDB
 	dbBackoff backoff
+	// Writes whose rows another transaction held when they were sent (retry.go): sent again
+	// with the queued ones from heldWritesAt on, not at every settle (outcome.go).
+	heldFailures []failure
+	heldResets   []*message
+	heldWritesAt time.Time
 
 	locked        bool      // the lock connection is up and ours
 	outageAt      time.Time // when the lock connection was last lost (failover.go: outageWorker)
@@ -268,7 +273,7 @@ func (c *coordinator) settle() {
 	if !c.locked || c.dbWaiting {
 		return
 	}
-	if len(c.failures) > 0 || len(c.resets) > 0 {
+	if c.outcomesDue(time.Now()) {
 		if !c.writeOutcomes() {
 			return
 		}
@@ -385,6 +390,8 @@ func (c *coordinator) onTimers() {
 			c.timers.schedule(key, now.Add(c.cfg.Dispatch.StatsInterval))
 		case timerDB:
 			c.dbWaiting = false
+		case timerHeldWrites:
+			// settle sends them again: outcomesDue.
 		case timerRelock:
 			c.relock()
 		case timerFanin:

@@ -209,11 +209,15 @@ const runsDDL = `CREATE TABLE IF NOT EXISTS runs (
 
 // behaviour is what a message's payload asks of the test pipeline worker.
 type behaviour struct {
-	SleepMs  int    `json:"sleep_ms"`  // work this long
-	FailAt   string `json:"fail_at"`   // return an error at this stage (while attempts < FailN)
-	FailN    int    `json:"fail_n"`    // how many attempts fail at FailAt (0 = all)
-	CrashAt  string `json:"crash_at"`  // exit the process mid-message at this stage
-	HangAt   string `json:"hang_at"`   // never answer at this stage
+	SleepMs int    `json:"sleep_ms"` // work this long
+	FailAt  string `json:"fail_at"`  // return an error at this stage (while attempts < FailN)
+	FailN   int    `json:"fail_n"`   // how many attempts fail at FailAt (0 = all)
+	CrashAt string `json:"crash_at"` // exit the process mid-message at this stage
+	HangAt  string `json:"hang_at"`  // never answer at this stage
+	// HoldAt: at this stage, the first attempt writes its own row in the outcome's transaction
+	// and then waits in a statement that does not end (pg_sleep): MAX_RUNTIME kills the worker,
+	// and its session, busy in the statement, keeps the row's lock until it is cancelled.
+	HoldAt   string `json:"hold_at"`
 	DeferAt  string `json:"defer_at"`  // defer once at this stage, for DeferMs
 	DeferMs  int    `json:"defer_ms"`  //
 	Branch   string `json:"branch"`    // advance to this NEXT stage instead of the first
@@ -243,6 +247,14 @@ func pipelineWorker() int {
 			os.Exit(3)
 		case b.HangAt:
 			select {}
+		case b.HoldAt:
+			if m.Attempts == 0 {
+				if _, err := m.Tx.ExecContext(ctx, `UPDATE workqueue SET state = state || '{"progress": 1}' WHERE workqueue_id = $1`, m.ID); err != nil {
+					return fmt.Errorf("write progress: %w", err)
+				}
+				_, err := m.Tx.ExecContext(ctx, `SELECT pg_sleep(3600)`)
+				return fmt.Errorf("the held statement ended: %v", err)
+			}
 		case b.FailAt:
 			if b.FailN == 0 || m.Attempts < b.FailN {
 				return fmt.Errorf("asked to fail at %s (attempt %d)", m.Stage, m.Attempts+1)

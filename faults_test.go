@@ -10,6 +10,7 @@ import (
 	"database/sql"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"strconv"
@@ -170,7 +171,7 @@ func TestRetryBackoffDoubles(t *testing.T) {
 			t.Fatalf("claim: %v %v", res, err)
 		}
 		m := res.byStage["a"][0]
-		out, err := writeFailures(context.Background(), conn, []failure{{m: m, reason: "r", maxAttempts: 5, retryDelay: 10 * time.Second}})
+		out, _, err := writeFailures(context.Background(), conn, []failure{{m: m, reason: "r", maxAttempts: 5, retryDelay: 10 * time.Second}})
 		if err != nil || len(out) != 1 {
 			t.Fatalf("write failure: %v %v", out, err)
 		}
@@ -179,10 +180,67 @@ func TestRetryBackoffDoubles(t *testing.T) {
 			t.Errorf("attempt %d: retry in %.1fs, want %.0fs", attempts+1, got, want)
 		}
 		// A stale claim is never overwritten.
-		out, err = writeFailures(context.Background(), conn, []failure{{m: m, reason: "again", maxAttempts: 5, retryDelay: time.Second}})
-		if err != nil || len(out) != 0 {
-			t.Errorf("second write with the same claim touched the row: %v %v", out, err)
+		out, held, err := writeFailures(context.Background(), conn, []failure{{m: m, reason: "again", maxAttempts: 5, retryDelay: time.Second}})
+		if err != nil || len(out) != 0 || len(held) != 0 {
+			t.Errorf("second write with the same claim touched the row, or says it is held: %v %v %v", out, held, err)
 		}
+	}
+}
+
+// TestWritesPassOverHeldRows: the failure and reset writes lock what they write and pass over
+// a row that another transaction holds, and name it; a row no longer our claim is neither
+// written nor named; once the holder lets go, the same write goes through.
+func TestWritesPassOverHeldRows(t *testing.T) {
+	s := newTestSchema(t)
+	conn := openLockConn(t, s)
+	var cl claimer
+	defer cl.close()
+	s.exec(t, `INSERT INTO workqueue (stage, payload) SELECT 'a', '{}' FROM generate_series(1, 6)`)
+	res, err := cl.claim(context.Background(), conn, map[string]int{"a": 6}, &keyLoad{})
+	if err != nil || len(res.byStage["a"]) != 6 {
+		t.Fatalf("claim 6 rows: %v %v", res, err)
+	}
+	ms := res.byStage["a"]
+	// ms[0] and ms[3] held by an open transaction; ms[1] and ms[4] no longer our claim.
+	tx, err := s.DB.Begin()
+	if err != nil {
+		t.Fatalf("begin the holder: %v", err)
+	}
+	defer tx.Rollback()
+	if _, err := tx.Exec(`SELECT 1 FROM workqueue WHERE workqueue_id IN ($1, $2) FOR UPDATE`, ms[0].id, ms[3].id); err != nil {
+		t.Fatalf("hold two rows: %v", err)
+	}
+	s.exec(t, `UPDATE workqueue SET status = 'done' WHERE workqueue_id IN ($1, $2)`, ms[1].id, ms[4].id)
+	fs := []failure{{m: ms[0], reason: "r", maxAttempts: 5, retryDelay: time.Second},
+		{m: ms[1], reason: "r", maxAttempts: 5, retryDelay: time.Second},
+		{m: ms[2], reason: "r", maxAttempts: 1, retryDelay: time.Second}}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	out, held, err := writeFailures(ctx, conn, fs)
+	if err != nil {
+		t.Fatalf("write failures past a held row: %v", err)
+	}
+	if len(out) != 1 || out[0].id != ms[2].id || out[0].status != "failed" || !maps.Equal(held, map[int64]bool{ms[0].id: true}) {
+		t.Errorf("failure writes: wrote %+v, held %v; want only %d failed, %d held", out, held, ms[2].id, ms[0].id)
+	}
+	n, held, err := writeResets(ctx, conn, ms[3:])
+	if err != nil {
+		t.Fatalf("reset past a held row: %v", err)
+	}
+	if n != 1 || !maps.Equal(held, map[int64]bool{ms[3].id: true}) {
+		t.Errorf("resets: wrote %d, held %v; want 1 written (%d), %d held", n, held, ms[5].id, ms[3].id)
+	}
+	if err := tx.Rollback(); err != nil {
+		t.Fatalf("let the rows go: %v", err)
+	}
+	if out, held, err = writeFailures(ctx, conn, fs[:1]); err != nil || len(out) != 1 || out[0].status != "paused" || len(held) != 0 {
+		t.Errorf("failure write once the holder let go: %+v, held %v, %v; want it paused", out, held, err)
+	}
+	if n, held, err = writeResets(ctx, conn, ms[3:4]); err != nil || n != 1 || len(held) != 0 {
+		t.Errorf("reset once the holder let go: wrote %d, held %v, %v; want 1", n, held, err)
+	}
+	if got := s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'running'`); got != 0 {
+		t.Errorf("%d rows still running, want none", got)
 	}
 }
 

@@ -189,11 +189,11 @@ func (c *coordinator) noteFailure(m *message, reason string, now time.Time) {
 // run: written (the row was still the claim) is a crash that failed the message; not written
 // means the stage had committed the message's outcome before the worker died, and only its
 // status line was lost: the message is processed, not failed, and the worker's death is
-// logged as what it was.
-func (c *coordinator) settleCrashes(fs []failure, written map[int64]bool) {
+// logged as what it was. A held row is neither yet: its write waits (writeOutcomes).
+func (c *coordinator) settleCrashes(fs []failure, written, held map[int64]bool) {
 	now := time.Now()
 	for _, f := range fs {
-		if !f.crash {
+		if !f.crash || held[f.m.id] {
 			continue
 		}
 		st := c.stats.stage(f.m.stage)
@@ -227,11 +227,32 @@ func (c *coordinator) protocolError(w *worker, reason string) {
 	w.end(fateProtocol)
 }
 
+// outcomesDue reports whether settle has writes to send: queued ones, or held ones whose
+// wait is over.
+func (c *coordinator) outcomesDue(now time.Time) bool {
+	return len(c.failures) > 0 || len(c.resets) > 0 ||
+		(len(c.heldFailures) > 0 || len(c.heldResets) > 0) && !now.Before(c.heldWritesAt)
+}
+
 // writeOutcomes sends the queued failure and reset writes; false if the database refused.
+// Writes whose rows another transaction holds are passed over by the statements (retry.go)
+// and kept apart, to be sent again heldRetryGap later, until the holder lets go: the claims
+// go on meanwhile.
 func (c *coordinator) writeOutcomes() bool {
+	now := time.Now()
+	if len(c.heldFailures) > 0 || len(c.heldResets) > 0 {
+		if now.Before(c.heldWritesAt) {
+			c.timers.scheduleEarlier(timerKey{kind: timerHeldWrites}, c.heldWritesAt)
+		} else {
+			c.failures = append(c.failures, c.heldFailures...)
+			c.resets = append(c.resets, c.heldResets...)
+			c.heldFailures, c.heldResets = nil, nil
+		}
+	}
+	passedOver := false
 	if len(c.failures) > 0 {
 		ctx, cancel := c.budget()
-		out, err := writeFailures(ctx, c.inst.conn, c.failures)
+		out, held, err := writeFailures(ctx, c.inst.conn, c.failures)
 		cancel()
 		if err != nil {
 			c.dbTrouble("record failures", err)
@@ -255,8 +276,15 @@ func (c *coordinator) writeOutcomes() bool {
 				c.timers.scheduleEarlier(timerKey{kind: timerRetry}, o.retryAt)
 			}
 		}
-		c.settleCrashes(c.failures, written)
-		if skipped := len(c.failures) - len(out); skipped > 0 {
+		c.settleCrashes(c.failures, written, held)
+		passedOver = passedOver || len(held) > 0
+		for _, f := range c.failures {
+			if held[f.m.id] {
+				c.heldFailures = append(c.heldFailures, f)
+				c.noteHeld(f.m, "failure")
+			}
+		}
+		if skipped := len(c.failures) - len(out) - len(held); skipped > 0 {
 			c.log.Debug("failure writes skipped: rows no longer held by their claim", "rows", skipped)
 		}
 		c.failures = c.failures[:0]
@@ -269,16 +297,38 @@ func (c *coordinator) writeOutcomes() bool {
 	c.resets = slices.DeleteFunc(c.resets, func(m *message) bool { return m.forgotten })
 	if len(c.resets) > 0 {
 		ctx, cancel := c.budget()
-		n, err := writeResets(ctx, c.inst.conn, c.resets)
+		n, held, err := writeResets(ctx, c.inst.conn, c.resets)
 		cancel()
 		if err != nil {
 			c.dbTrouble("reset messages to pending", err)
 			return false
 		}
-		c.log.Debug("messages put back to pending", "rows", n, "queued", len(c.resets))
+		passedOver = passedOver || len(held) > 0
+		for _, m := range c.resets {
+			if held[m.id] {
+				c.heldResets = append(c.heldResets, m)
+				c.noteHeld(m, "reset")
+			}
+		}
+		c.log.Debug("messages put back to pending", "rows", n, "queued", len(c.resets), "held", len(held))
 		c.resets = c.resets[:0]
 		c.claimWanted = true
 	}
+	if passedOver {
+		c.heldWritesAt = now.Add(heldRetryGap)
+		c.timers.schedule(timerKey{kind: timerHeldWrites}, c.heldWritesAt)
+	}
 	c.dbBackoff.reset()
 	return true
+}
+
+// noteHeld says, once per message, that its write (what) waits for another transaction that
+// holds its row; the row stays running until then.
+func (c *coordinator) noteHeld(m *message, what string) {
+	if m.writeHeld {
+		return
+	}
+	m.writeHeld = true
+	c.log.Warn("a write waits: another transaction holds the message's row; tried again every second, claims go on",
+		"write", what, "stage", m.stage, "id", m.id)
 }

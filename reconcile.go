@@ -16,8 +16,7 @@ package main
 import (
 	"context"
 	"fmt"
-
-	"github.com/lib/pq"
+	"time"
 )
 
 // reconcileSQL reads the running rows: every claim of this system. There is no index on
@@ -25,18 +24,12 @@ import (
 // price of a failover, not of every claim.
 const reconcileSQL = `SELECT workqueue_id, stage, claim FROM workqueue WHERE status = 'running'`
 
-// orphanResetSQL puts running rows that nobody holds back to pending, attempts unchanged,
-// under the (status, stage, claim) guard of every dispatcher write.
-const orphanResetSQL = `
-UPDATE workqueue q SET status = 'pending'
-  FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, stage, claim)
- WHERE q.workqueue_id = f.id AND q.status = 'running' AND q.stage = f.stage AND coalesce(q.claim, 0) = f.claim`
-
 // reconcileCounts is what one reconcile did.
 type reconcileCounts struct {
 	reset         int64 // running rows not held, back to pending
 	forgotten     int   // held messages whose row is no longer our claim
 	outageRetried int   // queued failures of the outage, turned into resets (no attempt)
+	held          int   // running rows nobody holds but another transaction locks: reset later
 }
 
 // reconcile brings the table and the coordinator's memory into agreement; false when the
@@ -44,12 +37,19 @@ type reconcileCounts struct {
 func (c *coordinator) reconcile() (reconcileCounts, error) {
 	var n reconcileCounts
 	// Failures still queued now were reported while the database was away, or could not be
-	// written before it went: the outage interrupted them. They are retried, not charged.
+	// written before it went: the outage interrupted them. They are retried, not charged. Not
+	// those that had reached the database and waited for a row another transaction holds
+	// (writeHeld; the outage may have cut the next try): they stay failures, charged.
+	kept := c.failures[:0]
 	for _, f := range c.failures {
+		if f.m.writeHeld {
+			kept = append(kept, f)
+			continue
+		}
 		c.resets = append(c.resets, f.m)
+		n.outageRetried++
 	}
-	n.outageRetried = len(c.failures)
-	c.failures = c.failures[:0]
+	c.failures = kept
 
 	type key struct {
 		id    int64
@@ -65,14 +65,24 @@ func (c *coordinator) reconcile() (reconcileCounts, error) {
 	for _, m := range c.resets {
 		held[key{m.id, m.stage, m.claim}] = m
 	}
+	// Writes waiting for a row another transaction holds were not interrupted by the outage:
+	// they stay what they are (a failure stays charged), and their rows are ours.
+	for _, f := range c.failures {
+		held[key{f.m.id, f.m.stage, f.m.claim}] = f.m
+	}
+	for _, f := range c.heldFailures {
+		held[key{f.m.id, f.m.stage, f.m.claim}] = f.m
+	}
+	for _, m := range c.heldResets {
+		held[key{m.id, m.stage, m.claim}] = m
+	}
 	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
 	defer cancel()
 	rows, err := c.inst.conn.QueryContext(ctx, reconcileSQL)
 	if err != nil {
 		return n, fmt.Errorf("reconcile: read running rows: %w", err)
 	}
-	var ids, claims []int64
-	var stages []string
+	var orphans []*message
 	seen := map[key]bool{}
 	for rows.Next() {
 		var k key
@@ -88,7 +98,7 @@ func (c *coordinator) reconcile() (reconcileCounts, error) {
 			seen[k] = true
 			continue
 		}
-		ids, stages, claims = append(ids, k.id), append(stages, k.stage), append(claims, k.claim)
+		orphans = append(orphans, &message{id: k.id, stage: k.stage, claim: k.claim})
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
@@ -103,14 +113,26 @@ func (c *coordinator) reconcile() (reconcileCounts, error) {
 			n.forgotten++
 		}
 	}
-	if len(ids) > 0 {
+	if len(orphans) > 0 {
 		// A running row without a claim token (claimed by a version before tokens) is read
-		// and guarded as token 0.
-		res, err := c.inst.conn.ExecContext(ctx, orphanResetSQL, pq.Array(ids), pq.Array(stages), pq.Array(claims))
+		// and guarded as token 0 (resetSQL). A row another transaction holds is reset once
+		// it lets go, like any held reset (writeOutcomes), instead of stopping the reconcile.
+		written, heldRows, err := writeResets(ctx, c.inst.conn, orphans)
 		if err != nil {
-			return n, fmt.Errorf("reconcile: reset %d running rows nobody holds: %w", len(ids), err)
+			return n, fmt.Errorf("reconcile: reset %d running rows nobody holds: %w", len(orphans), err)
 		}
-		n.reset, _ = res.RowsAffected() // lib/pq always knows the count of an UPDATE
+		n.reset = written
+		for _, m := range orphans {
+			if heldRows[m.id] {
+				n.held++
+				c.heldResets = append(c.heldResets, m)
+				c.noteHeld(m, "reset")
+			}
+		}
+		if n.held > 0 {
+			c.heldWritesAt = time.Now().Add(heldRetryGap)
+			c.timers.schedule(timerKey{kind: timerHeldWrites}, c.heldWritesAt)
+		}
 	}
 	return n, nil
 }
@@ -130,6 +152,6 @@ func (c *coordinator) afterRelock() {
 		s.forgotten += int64(n.forgotten)
 		s.outageRetried += int64(n.outageRetried)
 	})
-	c.log.Info("reconciled the table with memory", "running_reset", n.reset, "forgotten", n.forgotten,
-		"outage_failures_retried", n.outageRetried, "server", c.inst.server)
+	c.log.Info("reconciled the table with memory", "running_reset", n.reset, "running_held", n.held,
+		"forgotten", n.forgotten, "outage_failures_retried", n.outageRetried, "server", c.inst.server)
 }

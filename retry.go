@@ -33,26 +33,72 @@ type failure struct {
 	crash bool
 }
 
+// The failure and reset writes lock the rows they write first and pass over the rows that
+// another transaction holds (FOR NO KEY UPDATE SKIP LOCKED), and say which those are: rows
+// still our claim as far as the statement sees, but locked. They run on the coordinator's
+// loop, and the common holder is the session of the very worker whose message failed: a
+// handler that wrote its own row and then ran past MAX_RUNTIME in a long statement is killed,
+// but its session goes on with the statement, holding the row, until the statement ends
+// (PostgreSQL notices a vanished client only when it next talks to it). Waiting for it there
+// stopped every claim; the write was cancelled at its budget with the lock connection, and the
+// re-lock's reconcile then turned the timeout into a reset that charged no attempt, so such a
+// message ran again for ever (TestTimeoutRowHeldByItsSession). A held row's write waits: its
+// outcome is not known while its holder may still commit, and the coordinator tries it again
+// heldRetryGap later (writeOutcomes). The row lock costs a WAL record per row, on paths that
+// are rare (failures, crashes, stops), never on a claim or an outcome.
+
 // failSQL records failures. retry_at = now + RETRY_DELAY × 2^(attempts−1), with attempts the
 // new count; the exponent is capped so a large MAX_ATTEMPTS cannot overflow the interval.
+// Rows written come back with their new status; held rows with the status 'held'.
 const failSQL = `
-UPDATE workqueue q
-   SET attempts = q.attempts + 1,
-       state    = jsonb_set(coalesce(q.state, '{}'), '{dispatch_error}', to_jsonb(f.reason)),
-       status   = CASE WHEN q.attempts + 1 >= f.max_attempts THEN 'failed' ELSE 'paused' END,
-       status_at = now(),
-       retry_at = CASE WHEN q.attempts + 1 >= f.max_attempts THEN NULL
-                       ELSE now() + make_interval(secs => f.delay * power(2, least(q.attempts, 40))) END
-  FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::int[], $6::float8[])
-       AS f(id, stage, claim, reason, max_attempts, delay)
- WHERE q.workqueue_id = f.id AND q.status = 'running' AND q.stage = f.stage AND q.claim = f.claim
-RETURNING q.workqueue_id, q.status, q.retry_at`
+WITH f AS (
+    SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::int[], $6::float8[])
+        AS f(id, stage, claim, reason, max_attempts, delay)
+), mine AS (
+    SELECT q.workqueue_id FROM workqueue q JOIN f ON q.workqueue_id = f.id
+     WHERE q.status = 'running' AND q.stage = f.stage AND q.claim = f.claim
+       FOR NO KEY UPDATE OF q SKIP LOCKED
+), w AS (
+    UPDATE workqueue q
+       SET attempts = q.attempts + 1,
+           state    = jsonb_set(coalesce(q.state, '{}'), '{dispatch_error}', to_jsonb(f.reason)),
+           status   = CASE WHEN q.attempts + 1 >= f.max_attempts THEN 'failed' ELSE 'paused' END,
+           status_at = now(),
+           retry_at = CASE WHEN q.attempts + 1 >= f.max_attempts THEN NULL
+                           ELSE now() + make_interval(secs => f.delay * power(2, least(q.attempts, 40))) END
+      FROM f
+     WHERE q.workqueue_id = f.id AND q.workqueue_id IN (SELECT workqueue_id FROM mine)
+       AND q.status = 'running' AND q.stage = f.stage AND q.claim = f.claim
+    RETURNING q.workqueue_id, q.status, q.retry_at
+)
+SELECT workqueue_id, status, retry_at FROM w
+UNION ALL
+SELECT q.workqueue_id, 'held', NULL FROM workqueue q JOIN f ON q.workqueue_id = f.id
+ WHERE q.status = 'running' AND q.stage = f.stage AND q.claim = f.claim
+   AND q.workqueue_id NOT IN (SELECT workqueue_id FROM mine)`
 
-// resetSQL puts pipelined messages that never ran back to pending, attempts unchanged.
+// resetSQL puts claimed rows back to pending, attempts unchanged: pipelined messages that
+// never ran, and (reconcile.go) running rows that nobody holds. It returns the rows written
+// and the held rows passed over. A running row without a claim token (claimed by a version
+// before tokens) is guarded as token 0.
 const resetSQL = `
-UPDATE workqueue q SET status = 'pending', status_at = now()
-  FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, stage, claim)
- WHERE q.workqueue_id = f.id AND q.status = 'running' AND q.stage = f.stage AND q.claim = f.claim`
+WITH f AS (
+    SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, stage, claim)
+), mine AS (
+    SELECT q.workqueue_id FROM workqueue q JOIN f ON q.workqueue_id = f.id
+     WHERE q.status = 'running' AND q.stage = f.stage AND coalesce(q.claim, 0) = f.claim
+       FOR NO KEY UPDATE OF q SKIP LOCKED
+), w AS (
+    UPDATE workqueue q SET status = 'pending', status_at = now()
+      FROM f
+     WHERE q.workqueue_id = f.id AND q.workqueue_id IN (SELECT workqueue_id FROM mine)
+       AND q.status = 'running' AND q.stage = f.stage AND coalesce(q.claim, 0) = f.claim
+    RETURNING q.workqueue_id
+)
+SELECT (SELECT count(*) FROM w),
+       ARRAY(SELECT q.workqueue_id FROM workqueue q JOIN f ON q.workqueue_id = f.id
+              WHERE q.status = 'running' AND q.stage = f.stage AND coalesce(q.claim, 0) = f.claim
+                AND q.workqueue_id NOT IN (SELECT workqueue_id FROM mine))`
 
 // retrySQL returns due paused rows to pending (whoever paused them: a failure or a stage's
 // defer), and says when the next one is due.
@@ -86,8 +132,8 @@ type failOutcome struct {
 }
 
 // writeFailures records fs in one statement. Rows whose claim is no longer ours are skipped by
-// the guard and missing from the result.
-func writeFailures(ctx context.Context, conn *sql.Conn, fs []failure) ([]failOutcome, error) {
+// the guard and missing from both results; rows another transaction holds are in held.
+func writeFailures(ctx context.Context, conn *sql.Conn, fs []failure) (out []failOutcome, held map[int64]bool, err error) {
 	n := len(fs)
 	ids, stages, claims, reasons := make([]int64, n), make([]string, n), make([]int64, n), make([]string, n)
 	maxes, delays := make([]int64, n), make([]float64, n)
@@ -99,37 +145,51 @@ func writeFailures(ctx context.Context, conn *sql.Conn, fs []failure) ([]failOut
 	rows, err := conn.QueryContext(ctx, failSQL, pq.Array(ids), pq.Array(stages), pq.Array(claims),
 		pq.Array(reasons), pq.Array(maxes), pq.Array(delays))
 	if err != nil {
-		return nil, fmt.Errorf("record %d failures: %w", n, err)
+		return nil, nil, fmt.Errorf("record %d failures: %w", n, err)
 	}
 	defer rows.Close()
-	var out []failOutcome
 	for rows.Next() {
 		var o failOutcome
 		var at sql.NullTime
 		if err := rows.Scan(&o.id, &o.status, &at); err != nil {
-			return nil, fmt.Errorf("record %d failures: %w", n, err)
+			return nil, nil, fmt.Errorf("record %d failures: %w", n, err)
+		}
+		if o.status == "held" {
+			if held == nil {
+				held = map[int64]bool{}
+			}
+			held[o.id] = true
+			continue
 		}
 		o.retryAt = at.Time
 		out = append(out, o)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("record %d failures: %w", n, err)
+		return nil, nil, fmt.Errorf("record %d failures: %w", n, err)
 	}
-	return out, nil
+	return out, held, nil
 }
 
-// writeResets puts ms back to pending; returns how many rows were still ours.
-func writeResets(ctx context.Context, conn *sql.Conn, ms []*message) (int64, error) {
+// writeResets puts ms back to pending; it returns how many rows were still ours and written,
+// and the rows another transaction holds.
+func writeResets(ctx context.Context, conn *sql.Conn, ms []*message) (written int64, held map[int64]bool, err error) {
 	n := len(ms)
 	ids, stages, claims := make([]int64, n), make([]string, n), make([]int64, n)
 	for i, m := range ms {
 		ids[i], stages[i], claims[i] = m.id, m.stage, m.claim
 	}
-	res, err := conn.ExecContext(ctx, resetSQL, pq.Array(ids), pq.Array(stages), pq.Array(claims))
-	if err != nil {
-		return 0, fmt.Errorf("reset %d messages to pending: %w", n, err)
+	var heldIDs []int64
+	if err := conn.QueryRowContext(ctx, resetSQL, pq.Array(ids), pq.Array(stages), pq.Array(claims)).
+		Scan(&written, (*pq.Int64Array)(&heldIDs)); err != nil {
+		return 0, nil, fmt.Errorf("reset %d messages to pending: %w", n, err)
 	}
-	return res.RowsAffected()
+	for _, id := range heldIDs {
+		if held == nil {
+			held = map[int64]bool{}
+		}
+		held[id] = true
+	}
+	return written, held, nil
 }
 
 // flipDue returns due paused rows to pending; it reports how many, and the next due time.

@@ -64,11 +64,17 @@ func (c *coordinator) abort() {
 }
 
 // writeLeftovers writes queued outcomes with a bounded retry; what the database will not take
-// stays running in the table and is reset by the next start.
+// stays running in the table and is reset by the next start. So do the rows that another
+// transaction holds: the wait for them has no end in sight, and the next start fences this
+// run's workers' sessions, the usual holders, before it resets.
 func (c *coordinator) writeLeftovers() {
+	c.failures = append(c.failures, c.heldFailures...)
+	c.resets = append(c.resets, c.heldResets...)
+	c.heldFailures, c.heldResets = nil, nil
 	if len(c.failures) == 0 && len(c.resets) == 0 {
 		return
 	}
+	held := 0
 	err := withRetry(c.ctx, dbStatementBudget, "write outcomes at shutdown", func(ctx context.Context) error {
 		if c.inst.conn == nil {
 			if err := c.inst.relock(ctx); err != nil {
@@ -76,15 +82,19 @@ func (c *coordinator) writeLeftovers() {
 			}
 		}
 		if len(c.failures) > 0 {
-			if _, err := writeFailures(ctx, c.inst.conn, c.failures); err != nil {
+			_, h, err := writeFailures(ctx, c.inst.conn, c.failures)
+			if err != nil {
 				return err
 			}
+			held += len(h)
 			c.failures = nil
 		}
 		if len(c.resets) > 0 {
-			if _, err := writeResets(ctx, c.inst.conn, c.resets); err != nil {
+			_, h, err := writeResets(ctx, c.inst.conn, c.resets)
+			if err != nil {
 				return err
 			}
+			held += len(h)
 			c.resets = nil
 		}
 		return nil
@@ -92,5 +102,9 @@ func (c *coordinator) writeLeftovers() {
 	if err != nil {
 		c.log.Error("could not write outcomes; their rows stay running and the next start puts them back to pending",
 			"failures", len(c.failures), "resets", len(c.resets), "err", err)
+	}
+	if held > 0 {
+		c.log.Warn("rows held by other transactions were not written; they stay running and the next start puts them back to pending",
+			"rows", held)
 	}
 }

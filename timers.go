@@ -23,6 +23,7 @@ const (
 	timerHold                        // id = pool: the stage's launch cool-down is over
 	timerStats                       // flush statistics
 	timerDB                          // retry the writes the database refused
+	timerHeldWrites                  // send again the writes whose rows were held
 	timerRelock                      // take the single-instance lock again
 	timerShutdown                    // shutdown grace is over: kill what remains
 	timerFanin                       // flush the fan-in inbox

@@ -50,6 +50,9 @@ type message struct {
 	// cancelled: an operator cancelled it while it was running (operate.go); its failure, if
 	// the stage reports one, is not written (the guarded write would change nothing anyway).
 	cancelled bool
+	// writeHeld: its failure or reset write found the row held by another transaction and
+	// waits for it (retry.go); said once, not at every attempt.
+	writeHeld bool
 }
 
 // worker is one worker process of a stage.
