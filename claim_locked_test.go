@@ -251,7 +251,8 @@ func TestUnparkRowLockedElsewhere(t *testing.T) {
 
 // TestTimeoutRowHeldByItsSession: a handler that wrote its own row and then waits in a
 // statement past MAX_RUNTIME is killed, but its session goes on with the statement and keeps
-// the row's lock (PostgreSQL notices a vanished client only when it next talks to it). The
+// the row's lock (PostgreSQL notices a vanished client only when it next talks to it; the
+// handler turns off the check the SDK sets, as a stage without the SDK would not have it). The
 // timeout's failure write must not wait for that lock on the coordinator's loop: messages of
 // another stage enqueued meanwhile run, the lock connection stays, and the timed-out row stays
 // running, unfailed, while held (whether its stage committed is not known until the session
@@ -262,23 +263,8 @@ func TestUnparkRowLockedElsewhere(t *testing.T) {
 // attempt, so such a message would run again for ever.
 func TestTimeoutRowHeldByItsSession(t *testing.T) {
 	s := newTestSchema(t)
-	s.exec(t, runsDDL)
-	d := startDaemon(t, baseConf(s, "MAX_RUNTIME = 1")+
-		stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 1\nRETRY_DELAY = 0.2")+
-		stageConf(t, "b", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"), "pipeline")
-	d.waitLog("dispatching", 30*time.Second)
-	var held int64
-	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, payload) VALUES ('a', '{"hold_at": "a"}')
-	    RETURNING workqueue_id`).Scan(&held); err != nil {
-		t.Fatalf("enqueue the message that holds its row: %v", err)
-	}
-	var session int
-	waitFor(t, 30*time.Second, "the handler's session in its endless statement", func() bool {
-		session = s.count(t, `SELECT coalesce(max(pid), 0) FROM pg_stat_activity WHERE datname = current_database() AND query = 'SELECT pg_sleep(3600)'`)
-		return session != 0
-	})
-	defer s.exec(t, `SELECT pg_cancel_backend($1)`, session)
-	d.waitLog("timeout after 1s (worker killed)", 30*time.Second)
+	d, held, session := startHeldTimeout(t, s, `{"hold_at": "a", "hold_unchecked": true}`,
+		stageConf(t, "b", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"))
 	enqueue(t, s, "b", 5, `{}`)
 	waitFor(t, dbStatementBudget/2, "the 5 messages of stage b done while the timed-out row is held", func() bool {
 		return countStatus(t, s, "done") == 5
@@ -289,28 +275,23 @@ func TestTimeoutRowHeldByItsSession(t *testing.T) {
 	if strings.Contains(d.log.String(), "database connection lost") {
 		t.Errorf("the dispatcher lost its lock connection over a held row:\n%s", d.log.String())
 	}
+	stillThere := func() {
+		t.Helper()
+		if n := s.count(t, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND query = 'SELECT pg_sleep(3600)'`, session); n != 1 {
+			t.Fatalf("the handler's session is no longer in its statement: the test's premise is gone")
+		}
+	}
+	stillThere()
 	// A re-lock meanwhile (its reconcile turns the failures an outage interrupted into
 	// resets, which charge nothing) leaves the waiting failure a failure.
-	if n := s.count(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-	    WHERE pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
-	      AND application_name LIKE 'pepsi-dispatch %'`); n != 1 {
-		t.Fatalf("terminated %d lock sessions, want 1", n)
-	}
+	terminateLockSession(t, s)
 	d.waitLog("reconciled the table with memory", 30*time.Second)
 	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'running' AND attempts = 0`, held); n != 1 {
 		t.Errorf("the timed-out row is not running and unfailed after the re-lock, while still held")
 	}
+	stillThere()
 	s.exec(t, `SELECT pg_cancel_backend($1)`, session)
-	waitFor(t, 30*time.Second, "the timed-out message done at its second attempt", func() bool {
-		return s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'done'`, held) == 1
-	})
-	if n := s.count(t, `SELECT attempts FROM workqueue WHERE workqueue_id = $1`, held); n != 1 {
-		t.Errorf("the timed-out message has %d attempts, want 1: its timeout was not charged once", n)
-	}
-	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, held); n != 1 {
-		t.Errorf("the timed-out message ran to its end %d times, want 1", n)
-	}
-	noRunTwice(t, s)
+	timedOutRunsOnce(t, s, held)
 	d.stop()
 }
 
@@ -327,11 +308,7 @@ func TestReconcileOrphanRowHeld(t *testing.T) {
 	held, rollback := holdRow(t, s, `INSERT INTO workqueue (stage, payload, status, claim)
 	    VALUES ('a', '{}', 'running', 424242) RETURNING workqueue_id`)
 	defer rollback()
-	if n := s.count(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-	    WHERE pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
-	      AND application_name LIKE 'pepsi-dispatch %'`); n != 1 {
-		t.Fatalf("terminated %d lock sessions, want 1", n)
-	}
+	terminateLockSession(t, s)
 	d.waitLog("single-instance lock taken again", 30*time.Second)
 	enqueue(t, s, "a", 5, `{}`)
 	waitFor(t, dbStatementBudget/2, "the 5 new messages done while the orphan is held", func() bool {
@@ -345,4 +322,73 @@ func TestReconcileOrphanRowHeld(t *testing.T) {
 	}
 	heldRowRunsOnce(t, s, held, rollback, 6)
 	d.stop()
+}
+
+// TestTimedOutWorkersSessionEnds: the SDK has the server check its worker's socket while a
+// statement runs (client_connection_check_interval), so when the dispatcher kills a worker
+// whose handler wrote its row and then waits in a statement past MAX_RUNTIME, the worker's
+// session ends by itself within seconds, its transaction rolled back and the row let go: the
+// timeout is written and charged once, and the message runs again, once. Before, the session
+// went on until the statement ended (here: an hour).
+func TestTimedOutWorkersSessionEnds(t *testing.T) {
+	s := newTestSchema(t)
+	d, held, session := startHeldTimeout(t, s, `{"hold_at": "a"}`, "")
+	waitFor(t, 5*time.Second, "the killed worker's session gone by itself", func() bool {
+		return s.count(t, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, session) == 0
+	})
+	timedOutRunsOnce(t, s, held)
+	d.stop()
+}
+
+// startHeldTimeout starts a dispatcher with MAX_RUNTIME = 1 s, stage a (one worker, one message
+// at a time, RETRY_DELAY 0.2 s) and the stages of more, and one message at a with payload
+// (pipelineWorker's HoldAt): it returns once the message's worker has been killed for its
+// timeout, with the message and the pid of the worker's session, which was then in its
+// endless statement (cancelled at the end of the test, if still there).
+func startHeldTimeout(t *testing.T, s *testSchema, payload, more string) (d *daemon, held int64, session int) {
+	t.Helper()
+	s.exec(t, runsDDL)
+	d = startDaemon(t, baseConf(s, "MAX_RUNTIME = 1")+
+		stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 1\nRETRY_DELAY = 0.2")+more, "pipeline")
+	d.waitLog("dispatching", 30*time.Second)
+	if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, payload) VALUES ('a', $1) RETURNING workqueue_id`,
+		payload).Scan(&held); err != nil {
+		t.Fatalf("enqueue the message that holds its row: %v", err)
+	}
+	waitFor(t, 30*time.Second, "the handler's session in its endless statement", func() bool {
+		session = s.count(t, `SELECT coalesce(max(pid), 0) FROM pg_stat_activity
+		    WHERE datname = current_database() AND query = 'SELECT pg_sleep(3600)'`)
+		return session != 0
+	})
+	t.Cleanup(func() { s.DB.Exec(`SELECT pg_cancel_backend($1)`, session) })
+	d.waitLog("timeout after 1s (worker killed)", 30*time.Second)
+	return d, held, session
+}
+
+// timedOutRunsOnce requires that the message held, whose first attempt timed out, is done at
+// its second attempt: charged once, run to its end once, and no (message, stage) run twice.
+func timedOutRunsOnce(t *testing.T, s *testSchema, held int64) {
+	t.Helper()
+	waitFor(t, 30*time.Second, "the timed-out message done at its second attempt", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'done'`, held) == 1
+	})
+	if n := s.count(t, `SELECT attempts FROM workqueue WHERE workqueue_id = $1`, held); n != 1 {
+		t.Errorf("the timed-out message has %d attempts, want 1: its timeout was not charged once", n)
+	}
+	if n := s.count(t, `SELECT count(*) FROM runs WHERE id = $1`, held); n != 1 {
+		t.Errorf("the timed-out message ran to its end %d times, want 1", n)
+	}
+	noRunTwice(t, s)
+}
+
+// terminateLockSession ends the dispatcher's lock connection (the session that holds its
+// advisory lock), as a network cut would: the dispatcher re-locks and reconciles.
+func terminateLockSession(t *testing.T, s *testSchema) {
+	t.Helper()
+	if n := s.count(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+	    WHERE pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory'
+	                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+	      AND application_name LIKE 'pepsi-dispatch %'`); n != 1 {
+		t.Fatalf("terminated %d lock sessions, want 1", n)
+	}
 }

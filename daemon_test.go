@@ -215,13 +215,17 @@ type behaviour struct {
 	CrashAt string `json:"crash_at"` // exit the process mid-message at this stage
 	HangAt  string `json:"hang_at"`  // never answer at this stage
 	// HoldAt: at this stage, the first attempt writes its own row in the outcome's transaction
-	// and then waits in a statement that does not end (pg_sleep): MAX_RUNTIME kills the worker,
-	// and its session, busy in the statement, keeps the row's lock until it is cancelled.
-	HoldAt   string `json:"hold_at"`
-	DeferAt  string `json:"defer_at"`  // defer once at this stage, for DeferMs
-	DeferMs  int    `json:"defer_ms"`  //
-	Branch   string `json:"branch"`    // advance to this NEXT stage instead of the first
-	DoneAtMe string `json:"done_here"` // finish at this stage even if it has a NEXT
+	// and then waits in a statement that does not end (pg_sleep): MAX_RUNTIME kills the worker.
+	// Its session, busy in the statement, keeps the row's lock until the server sees the
+	// worker gone (within a second: the SDK's client_connection_check_interval), or, with
+	// HoldUnchecked (a stage without the SDK, a server before PostgreSQL 14), until the
+	// statement is cancelled.
+	HoldAt        string `json:"hold_at"`
+	HoldUnchecked bool   `json:"hold_unchecked"`
+	DeferAt       string `json:"defer_at"`  // defer once at this stage, for DeferMs
+	DeferMs       int    `json:"defer_ms"`  //
+	Branch        string `json:"branch"`    // advance to this NEXT stage instead of the first
+	DoneAtMe      string `json:"done_here"` // finish at this stage even if it has a NEXT
 }
 
 // pipelineWorker is the SDK stage used by most tests: it records the run, then advances to
@@ -251,6 +255,11 @@ func pipelineWorker() int {
 			if m.Attempts == 0 {
 				if _, err := m.Tx.ExecContext(ctx, `UPDATE workqueue SET state = state || '{"progress": 1}' WHERE workqueue_id = $1`, m.ID); err != nil {
 					return fmt.Errorf("write progress: %w", err)
+				}
+				if b.HoldUnchecked {
+					if _, err := m.Tx.ExecContext(ctx, `SET LOCAL client_connection_check_interval = 0`); err != nil {
+						return fmt.Errorf("turn the connection check off: %w", err)
+					}
 				}
 				_, err := m.Tx.ExecContext(ctx, `SELECT pg_sleep(3600)`)
 				return fmt.Errorf("the held statement ended: %v", err)

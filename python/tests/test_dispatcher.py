@@ -155,6 +155,30 @@ def test_pipeline_kill9(schema: Schema, daemon_factory) -> None:
     assert re.search(rf'pid={killed} .*killed by signal 9', d.log()), f"no exit logged for worker {killed}"
 
 
+def test_timed_out_workers_session_ends(schema: Schema, daemon_factory) -> None:
+    """A handler that wrote its row and then waits in a statement past MAX_RUNTIME: the
+    dispatcher kills its worker, and the session, which the SDK has check its client while a
+    statement runs, ends by itself within seconds, letting the row go; the timeout is charged
+    once and the message runs again, once."""
+    (held,) = schema.enqueue("a", [{"do": "hold"}])
+    stages = stage_conf("a", PROG, "", "PARALLELISM = 1\nQUEUE_LIMIT = 1\nRETRY_DELAY = 0.2")
+    d = daemon_factory(base_conf(schema, stages, "MAX_RUNTIME = 1"))
+    sleeping = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND query = 'SELECT pg_sleep(3600)'")
+    try:
+        wait_for("the handler's session in its endless statement", lambda: schema.one(sleeping) == 1, 30)
+        wait_for("the timeout logged", lambda: "timeout after 1s (worker killed)" in d.log(), 30)
+        wait_for("the killed worker's session gone by itself", lambda: schema.one(sleeping) == 0, 5)
+        wait_for("the message done at its second attempt", lambda: schema.one(
+            "SELECT count(*) FROM workqueue WHERE workqueue_id = %s AND status = 'done'", (held,)) == 1, 30)
+    finally:
+        schema.q("SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE datname = current_database() "
+                 "AND query = 'SELECT pg_sleep(3600)'")
+    assert d.stop() == 0
+    assert schema.one("SELECT attempts FROM workqueue WHERE workqueue_id = %s", (held,)) == 1
+    assert schema.one("SELECT count(*) FROM runs WHERE id = %s", (held,)) == 1
+
+
 def test_stats_lost_on_kill9(schema: Schema, daemon_factory) -> None:
     """dispatch_stats and stage_stats are flushed from memory (every STATS_INTERVAL, when the
     pipeline goes idle, at shutdown): a dispatcher killed while busy loses what it counted
