@@ -251,8 +251,7 @@ func TestUnparkRowLockedElsewhere(t *testing.T) {
 
 // TestTimeoutRowHeldByItsSession: a handler that wrote its own row and then waits in a
 // statement past MAX_RUNTIME is killed, but its session goes on with the statement and keeps
-// the row's lock (PostgreSQL notices a vanished client only when it next talks to it; the
-// handler turns off the check the SDK sets, as a stage without the SDK would not have it). The
+// the row's lock (PostgreSQL notices a vanished client only when it next talks to it). The
 // timeout's failure write must not wait for that lock on the coordinator's loop: messages of
 // another stage enqueued meanwhile run, the lock connection stays, and the timed-out row stays
 // running, unfailed, while held (whether its stage committed is not known until the session
@@ -263,7 +262,7 @@ func TestUnparkRowLockedElsewhere(t *testing.T) {
 // attempt, so such a message would run again for ever.
 func TestTimeoutRowHeldByItsSession(t *testing.T) {
 	s := newTestSchema(t)
-	d, held, session := startHeldTimeout(t, s, `{"hold_at": "a", "hold_unchecked": true}`,
+	d, held, session := startHeldTimeout(t, s, `{"hold_at": "a"}`,
 		stageConf(t, "b", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"))
 	enqueue(t, s, "b", 5, `{}`)
 	waitFor(t, dbStatementBudget/2, "the 5 messages of stage b done while the timed-out row is held", func() bool {
@@ -324,15 +323,14 @@ func TestReconcileOrphanRowHeld(t *testing.T) {
 	d.stop()
 }
 
-// TestTimedOutWorkersSessionEnds: the SDK has the server check its worker's socket while a
-// statement runs (client_connection_check_interval), so when the dispatcher kills a worker
-// whose handler wrote its row and then waits in a statement past MAX_RUNTIME, the worker's
-// session ends by itself within seconds, its transaction rolled back and the row let go: the
-// timeout is written and charged once, and the message runs again, once. Before, the session
-// went on until the statement ended (here: an hour).
+// TestTimedOutWorkersSessionEnds: a handler whose session checks its client while a statement
+// runs (client_connection_check_interval, as pepsi-worker(7) advises for long statements) and
+// that wrote its row and then waits in a statement past MAX_RUNTIME: once the dispatcher kills
+// its worker, the session ends by itself within seconds, its transaction rolled back and the
+// row let go; the timeout is written and charged once, and the message runs again, once.
 func TestTimedOutWorkersSessionEnds(t *testing.T) {
 	s := newTestSchema(t)
-	d, held, session := startHeldTimeout(t, s, `{"hold_at": "a"}`, "")
+	d, held, session := startHeldTimeout(t, s, `{"hold_at": "a", "hold_checked": true}`, "")
 	waitFor(t, 5*time.Second, "the killed worker's session gone by itself", func() bool {
 		return s.count(t, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, session) == 0
 	})

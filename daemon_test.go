@@ -216,16 +216,15 @@ type behaviour struct {
 	HangAt  string `json:"hang_at"`  // never answer at this stage
 	// HoldAt: at this stage, the first attempt writes its own row in the outcome's transaction
 	// and then waits in a statement that does not end (pg_sleep): MAX_RUNTIME kills the worker.
-	// Its session, busy in the statement, keeps the row's lock until the server sees the
-	// worker gone (within a second: the SDK's client_connection_check_interval), or, with
-	// HoldUnchecked (a stage without the SDK, a server before PostgreSQL 14), until the
-	// statement is cancelled.
-	HoldAt        string `json:"hold_at"`
-	HoldUnchecked bool   `json:"hold_unchecked"`
-	DeferAt       string `json:"defer_at"`  // defer once at this stage, for DeferMs
-	DeferMs       int    `json:"defer_ms"`  //
-	Branch        string `json:"branch"`    // advance to this NEXT stage instead of the first
-	DoneAtMe      string `json:"done_here"` // finish at this stage even if it has a NEXT
+	// Its session, busy in the statement, keeps the row's lock until the statement is
+	// cancelled, or, with HoldChecked (the handler sets client_connection_check_interval, as
+	// pepsi-worker(7) advises for long statements), until the server sees the worker gone.
+	HoldAt      string `json:"hold_at"`
+	HoldChecked bool   `json:"hold_checked"`
+	DeferAt     string `json:"defer_at"`  // defer once at this stage, for DeferMs
+	DeferMs     int    `json:"defer_ms"`  //
+	Branch      string `json:"branch"`    // advance to this NEXT stage instead of the first
+	DoneAtMe    string `json:"done_here"` // finish at this stage even if it has a NEXT
 }
 
 // pipelineWorker is the SDK stage used by most tests: it records the run, then advances to
@@ -256,9 +255,9 @@ func pipelineWorker() int {
 				if _, err := m.Tx.ExecContext(ctx, `UPDATE workqueue SET state = state || '{"progress": 1}' WHERE workqueue_id = $1`, m.ID); err != nil {
 					return fmt.Errorf("write progress: %w", err)
 				}
-				if b.HoldUnchecked {
-					if _, err := m.Tx.ExecContext(ctx, `SET LOCAL client_connection_check_interval = 0`); err != nil {
-						return fmt.Errorf("turn the connection check off: %w", err)
+				if b.HoldChecked {
+					if _, err := m.Tx.ExecContext(ctx, `SET LOCAL client_connection_check_interval = '1s'`); err != nil {
+						return fmt.Errorf("turn the connection check on: %w", err)
 					}
 				}
 				_, err := m.Tx.ExecContext(ctx, `SELECT pg_sleep(3600)`)

@@ -107,15 +107,6 @@ exits 1 (the dispatcher then recovers its messages)."""
 MAX_CHILDREN_DEFAULT = 10000
 MIN_SPAN_DEFAULT = 1000
 
-# The server checks the worker's socket every second while a statement runs, and ends the
-# session once the worker is gone: the dispatcher kills a worker whose message ran past
-# MAX_RUNTIME, but PostgreSQL notices a vanished client only when it next talks to it, so a
-# statement in progress went on, and its transaction kept what it had locked, the message's
-# own row among them (test_timed_out_workers_session_ends). Not over a value that the role,
-# the database or the DSN chose, nor on a server before PostgreSQL 14, which lacks the setting.
-_CONNECTION_CHECK_SQL = ("SELECT set_config('client_connection_check_interval', '1s', false) "
-                         "WHERE current_setting('client_connection_check_interval', true) = '0'")
-
 _READ_SIZE = 64 << 10
 _STAGE_NAME = re.compile(r"^[a-z0-9_-]+$")
 _SQL_CLAIM_GONE = "PF001"
@@ -666,7 +657,6 @@ class _Server:
         except psycopg.ProgrammingError as e:
             raise _Fatal(f"parse DSN: {e}") from e
         self.conn = psycopg.connect(self.cfg.dsn, **kwargs)
-        self.conn.execute(_CONNECTION_CHECK_SQL)
 
     def reconnect(self, why: BaseException) -> None:
         """Make the connection again, or raise _Fatal."""

@@ -31,11 +31,10 @@
 // The DSN carries an application_name starting with "pepsi-": keep it. The schema's requeue
 // trigger skips sessions with such a name, so an advance does not wake the dispatcher through
 // NOTIFY (the status line does that already). A worker connects once and keeps the connection
-// for its whole life; if it breaks, the worker exits non-zero instead of reconnecting. The SDK
-// sets client_connection_check_interval to 1 s on it (unless the role, the database or the DSN
-// chose a value): a worker killed at MAX_RUNTIME in the middle of a statement then has its
-// session, and the locks of its transaction, ended within a second, not when the statement
-// would have ended (pepsi-worker(7)).
+// for its whole life; if it breaks, the worker exits non-zero instead of reconnecting. A
+// worker killed at MAX_RUNTIME in the middle of a statement leaves the statement running, with
+// the locks of its transaction, until it ends: a handler whose statements can run long should
+// set client_connection_check_interval or statement_timeout (pepsi-worker(7)).
 //
 // # Standard input and output
 //

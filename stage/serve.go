@@ -272,17 +272,6 @@ type server struct {
 	fuseFailures int // a view's fused runs that failed, for rate-limited logging
 }
 
-// connectionCheckSQL makes the server check the worker's socket every second while a statement
-// runs, and end the session once the worker is gone. The dispatcher kills a worker whose
-// message ran past MAX_RUNTIME, but PostgreSQL notices a vanished client only when it next
-// talks to it: a statement in progress went on, for as long as it took, and its transaction
-// kept what it had locked, the message's own row among them, for which the timeout's write
-// then waited (TestTimedOutWorkersSessionEnds). Not over a value that the role, the database or
-// the DSN chose, and not on a server before PostgreSQL 14, which lacks the setting
-// (current_setting(…, true) is NULL there).
-const connectionCheckSQL = `SELECT set_config('client_connection_check_interval', '1s', false)
- WHERE current_setting('client_connection_check_interval', true) = '0'`
-
 // connect opens the worker's one connection and makes the views of the fused stages that
 // handlers implement.
 func connect(ctx context.Context, cfg Config, handlers map[string]Handler) (*server, error) {
@@ -313,10 +302,6 @@ func connect(ctx context.Context, cfg Config, handlers map[string]Handler) (*ser
 	if err := db.PingContext(ctx); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("connect to the database: %w", err)
-	}
-	if _, err := db.ExecContext(ctx, connectionCheckSQL); err != nil {
-		db.Close()
-		return nil, fmt.Errorf("set client_connection_check_interval: %w", err)
 	}
 	for name, next := range cfg.Fuse {
 		h := handlers[name]

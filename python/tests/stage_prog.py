@@ -15,8 +15,9 @@ outcome, then done), fail, write_fail (record, then fail: the record must roll b
 none (no outcome), two (two outcomes), bad_next, terminate (pg_terminate_backend of its own
 session, once per message: a marker file in $TEST_MARK_DIR), exit (crash), commit (commits
 the SDK's transaction: fatal), state (set state keys), dup (violate a unique index, catch it,
-then done: the outcome must fail), hold (the first attempt writes its own row, then waits in
-a statement that does not end: MAX_RUNTIME kills the worker; then as the default).
+then done: the outcome must fail), hold (the first attempt writes its own row, sets
+client_connection_check_interval for its transaction, then waits in a statement that does not
+end: MAX_RUNTIME kills the worker; then as the default).
 """
 
 import os
@@ -65,6 +66,7 @@ def handle(m: Message) -> None:
         os._exit(3)
     if do == "hold" and m.attempts == 0:
         m.execute("UPDATE workqueue SET state = state || '{\"progress\": 1}' WHERE workqueue_id = %s", (m.id,))
+        m.execute("SET LOCAL client_connection_check_interval = '1s'")
         m.execute("SELECT pg_sleep(3600)")
     if not p.get("norecord"):
         m.execute("INSERT INTO runs (id, stage, pid) VALUES (%s, %s, %s)", (m.id, m.stage, os.getpid()))

@@ -156,10 +156,10 @@ def test_pipeline_kill9(schema: Schema, daemon_factory) -> None:
 
 
 def test_timed_out_workers_session_ends(schema: Schema, daemon_factory) -> None:
-    """A handler that wrote its row and then waits in a statement past MAX_RUNTIME: the
-    dispatcher kills its worker, and the session, which the SDK has check its client while a
-    statement runs, ends by itself within seconds, letting the row go; the timeout is charged
-    once and the message runs again, once."""
+    """A handler that wrote its row, set client_connection_check_interval (as pepsi-worker(7)
+    advises for long statements) and then waits in a statement past MAX_RUNTIME: the dispatcher
+    kills its worker, and the session ends by itself within seconds, letting the row go; the
+    timeout is charged once and the message runs again, once."""
     (held,) = schema.enqueue("a", [{"do": "hold"}])
     stages = stage_conf("a", PROG, "", "PARALLELISM = 1\nQUEUE_LIMIT = 1\nRETRY_DELAY = 0.2")
     d = daemon_factory(base_conf(schema, stages, "MAX_RUNTIME = 1"))
