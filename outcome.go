@@ -277,13 +277,13 @@ func (c *coordinator) writeOutcomes() bool {
 			}
 		}
 		c.settleCrashes(c.failures, written, held)
-		passedOver = passedOver || len(held) > 0
 		for _, f := range c.failures {
 			if held[f.m.id] {
 				c.heldFailures = append(c.heldFailures, f)
 				c.noteHeld(f.m, "failure")
 			}
 		}
+		passedOver = passedOver || len(held) > 0
 		if skipped := len(c.failures) - len(out) - len(held); skipped > 0 {
 			c.log.Debug("failure writes skipped: rows no longer held by their claim", "rows", skipped)
 		}
@@ -303,23 +303,36 @@ func (c *coordinator) writeOutcomes() bool {
 			c.dbTrouble("reset messages to pending", err)
 			return false
 		}
-		passedOver = passedOver || len(held) > 0
-		for _, m := range c.resets {
-			if held[m.id] {
-				c.heldResets = append(c.heldResets, m)
-				c.noteHeld(m, "reset")
-			}
-		}
+		passedOver = c.keepHeldResets(c.resets, held) > 0 || passedOver
 		c.log.Debug("messages put back to pending", "rows", n, "queued", len(c.resets), "held", len(held))
 		c.resets = c.resets[:0]
 		c.claimWanted = true
 	}
 	if passedOver {
-		c.heldWritesAt = now.Add(heldRetryGap)
-		c.timers.schedule(timerKey{kind: timerHeldWrites}, c.heldWritesAt)
+		c.retryHeldAfter(now)
 	}
 	c.dbBackoff.reset()
 	return true
+}
+
+// keepHeldResets keeps the resets of ms whose rows another transaction held (held, from
+// writeResets) for a later try, says so once per message, and returns how many it kept.
+func (c *coordinator) keepHeldResets(ms []*message, held map[int64]bool) int {
+	kept := 0
+	for _, m := range ms {
+		if held[m.id] {
+			c.heldResets = append(c.heldResets, m)
+			c.noteHeld(m, "reset")
+			kept++
+		}
+	}
+	return kept
+}
+
+// retryHeldAfter sends the held writes again heldRetryGap after now.
+func (c *coordinator) retryHeldAfter(now time.Time) {
+	c.heldWritesAt = now.Add(heldRetryGap)
+	c.timers.schedule(timerKey{kind: timerHeldWrites}, c.heldWritesAt)
 }
 
 // noteHeld says, once per message, that its write (what) waits for another transaction that

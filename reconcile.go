@@ -122,16 +122,8 @@ func (c *coordinator) reconcile() (reconcileCounts, error) {
 			return n, fmt.Errorf("reconcile: reset %d running rows nobody holds: %w", len(orphans), err)
 		}
 		n.reset = written
-		for _, m := range orphans {
-			if heldRows[m.id] {
-				n.held++
-				c.heldResets = append(c.heldResets, m)
-				c.noteHeld(m, "reset")
-			}
-		}
-		if n.held > 0 {
-			c.heldWritesAt = time.Now().Add(heldRetryGap)
-			c.timers.schedule(timerKey{kind: timerHeldWrites}, c.heldWritesAt)
+		if n.held = c.keepHeldResets(orphans, heldRows); n.held > 0 {
+			c.retryHeldAfter(time.Now())
 		}
 	}
 	return n, nil
