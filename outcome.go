@@ -230,8 +230,12 @@ func (c *coordinator) protocolError(w *worker, reason string) {
 // outcomesDue reports whether settle has writes to send: queued ones, or held ones whose
 // wait is over.
 func (c *coordinator) outcomesDue(now time.Time) bool {
-	return len(c.failures) > 0 || len(c.resets) > 0 ||
-		(len(c.heldFailures) > 0 || len(c.heldResets) > 0) && !now.Before(c.heldWritesAt)
+	return len(c.failures) > 0 || len(c.resets) > 0 || c.heldDue(now)
+}
+
+// heldDue reports whether writes passed over for a held row are waiting and their wait is over.
+func (c *coordinator) heldDue(now time.Time) bool {
+	return (len(c.heldFailures) > 0 || len(c.heldResets) > 0) && !now.Before(c.heldWritesAt)
 }
 
 // writeOutcomes sends the queued failure and reset writes; false if the database refused.
@@ -239,15 +243,13 @@ func (c *coordinator) outcomesDue(now time.Time) bool {
 // and kept apart, to be sent again heldRetryGap later, until the holder lets go: the claims
 // go on meanwhile.
 func (c *coordinator) writeOutcomes() bool {
+	// Held writes that are due go with the queued ones; those that are not wait for
+	// timerHeldWrites, set when they were passed over (retryHeldAfter).
 	now := time.Now()
-	if len(c.heldFailures) > 0 || len(c.heldResets) > 0 {
-		if now.Before(c.heldWritesAt) {
-			c.timers.scheduleEarlier(timerKey{kind: timerHeldWrites}, c.heldWritesAt)
-		} else {
-			c.failures = append(c.failures, c.heldFailures...)
-			c.resets = append(c.resets, c.heldResets...)
-			c.heldFailures, c.heldResets = nil, nil
-		}
+	if c.heldDue(now) {
+		c.failures = append(c.failures, c.heldFailures...)
+		c.resets = append(c.resets, c.heldResets...)
+		c.heldFailures, c.heldResets = nil, nil
 	}
 	passedOver := false
 	if len(c.failures) > 0 {

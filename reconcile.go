@@ -57,24 +57,24 @@ func (c *coordinator) reconcile() (reconcileCounts, error) {
 		claim int64
 	}
 	held := map[key]*message{}
+	ours := func(m *message) { held[key{m.id, m.stage, m.claim}] = m }
 	for _, w := range c.workers {
 		for _, m := range w.queue {
-			held[key{m.id, m.stage, m.claim}] = m
+			ours(m)
 		}
 	}
 	for _, m := range c.resets {
-		held[key{m.id, m.stage, m.claim}] = m
+		ours(m)
 	}
 	// Writes waiting for a row another transaction holds were not interrupted by the outage:
 	// they stay what they are (a failure stays charged), and their rows are ours.
-	for _, f := range c.failures {
-		held[key{f.m.id, f.m.stage, f.m.claim}] = f.m
-	}
-	for _, f := range c.heldFailures {
-		held[key{f.m.id, f.m.stage, f.m.claim}] = f.m
+	for _, fs := range [][]failure{c.failures, c.heldFailures} {
+		for _, f := range fs {
+			ours(f.m)
+		}
 	}
 	for _, m := range c.heldResets {
-		held[key{m.id, m.stage, m.claim}] = m
+		ours(m)
 	}
 	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
 	defer cancel()
