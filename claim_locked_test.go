@@ -323,6 +323,44 @@ func TestReconcileOrphanRowHeld(t *testing.T) {
 	d.stop()
 }
 
+// TestStartupOrphanRowHeld: at start, a running row left by an earlier run whose lock another
+// transaction holds (an operator's UPDATE left open in psql) is passed over by the reset of
+// the earlier run's rows: the dispatcher starts, resets and runs the other orphan and new
+// messages at once, and resets the held row once its lock goes; it runs exactly once. Before,
+// the start waited for that row with no budget: no claim, no "dispatching", for as long as
+// the transaction stayed open.
+func TestStartupOrphanRowHeld(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	s.exec(t, `INSERT INTO workqueue (stage, payload, status, claim) VALUES ('a', '{}', 'running', 424241)`)
+	held, rollback := holdRow(t, s, `INSERT INTO workqueue (stage, payload, status, claim)
+	    VALUES ('a', '{}', 'running', 424242) RETURNING workqueue_id`)
+	defer rollback()
+	addr := freePort(t)
+	d := startDaemon(t, baseConf(s, "METRICS_LISTEN = "+addr)+stageConf(t, "a", "", "PARALLELISM = 2\nQUEUE_LIMIT = 4"), "pipeline")
+	d.waitLog("dispatching", dbStatementBudget)
+	if !strings.Contains(d.log.String(), "orphans_held=1") {
+		t.Errorf("the start did not say it passed a held running row over:\n%s", d.log.String())
+	}
+	waitFor(t, 5*time.Second, "pepsi_held_writes 1 on /metrics", func() bool {
+		v, ok := metric(t, addr, "pepsi_held_writes")
+		return ok && v == 1
+	})
+	enqueue(t, s, "a", 5, `{}`)
+	waitFor(t, dbStatementBudget/2, "the unheld orphan and the 5 new messages done while the held orphan is held", func() bool {
+		return countStatus(t, s, "done") == 6
+	})
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'running'`, held); n != 1 {
+		t.Errorf("the held orphan changed while its lock is held")
+	}
+	heldRowRunsOnce(t, s, held, rollback, 7)
+	waitFor(t, 5*time.Second, "pepsi_held_writes back to 0 on /metrics", func() bool {
+		v, ok := metric(t, addr, "pepsi_held_writes")
+		return ok && v == 0
+	})
+	d.stop()
+}
+
 // TestTimedOutWorkersSessionEnds: a handler whose session checks its client while a statement
 // runs (client_connection_check_interval, as pepsi-worker(7) advises for long statements) and
 // that wrote its row and then waits in a statement past MAX_RUNTIME: once the dispatcher kills

@@ -127,6 +127,8 @@ type coordinatorDeps struct {
 	notifier *notifier      // systemd; a no-op value outside it
 	retain   *retainer      // nil unless RETENTION is set
 	ha       *haBoard       // the role and the server, shared with /metrics
+
+	heldOrphans []*message // running rows of an earlier run that resetOrphans found held
 }
 
 // newCoordinator builds a coordinator over an acquired instance. ctx must outlive the
@@ -159,6 +161,15 @@ func newCoordinator(ctx context.Context, d coordinatorDeps) *coordinator {
 	c.workerEnv = append(c.workerEnv, "PGAPPNAME="+inst.workerAppName())
 	c.fanin = newFanin(cfg.Dispatch, &c.stats.Fanin)
 	c.setStages(cfg.Stages)
+	if len(d.heldOrphans) > 0 {
+		// Reset once their holder lets go, like the reconcile's held orphans.
+		all := make(map[int64]bool, len(d.heldOrphans))
+		for _, m := range d.heldOrphans {
+			all[m.id] = true
+		}
+		c.keepHeldResets(d.heldOrphans, all)
+		c.retryHeldAfter(time.Now())
+	}
 	return c
 }
 

@@ -253,12 +253,12 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	if err != nil {
 		return err
 	}
-	orphans, err := inst.resetOrphans(ctx)
+	orphans, heldOrphans, err := inst.resetOrphans(ctx)
 	if err != nil {
 		return err
 	}
 	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphans,
-		"server", inst.server)
+		"orphans_held", len(heldOrphans), "server", inst.server)
 	work, err := openWorkPool(cfg, inst) // db keeps the lock connection alone
 	if err != nil {
 		return err
@@ -315,7 +315,8 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 		metrics.db.Store(work)
 	}
 	c := newCoordinator(cctx, coordinatorDeps{cfg: &run, version: version, log: log, db: work, inst: inst,
-		notify: listener.Notify, sigs: sigs, hups: hups, metrics: metrics, notifier: sd, retain: retain, ha: ha})
+		notify: listener.Notify, sigs: sigs, hups: hups, metrics: metrics, notifier: sd, retain: retain, ha: ha,
+		heldOrphans: heldOrphans})
 	if metrics != nil {
 		metrics.publish(c.snapshot())
 	}

@@ -39,6 +39,7 @@ type metricsSnapshot struct {
 	inflight int
 	config   []*StageConfig // the stage table as the coordinator runs it, sorted by name
 	claimMax time.Duration
+	held     int // writes waiting for a row another transaction holds (outcome.go)
 }
 
 type stageSnapshot struct {
@@ -68,7 +69,7 @@ func (m *metricsServer) publish(s *metricsSnapshot) { m.snap.Store(s) }
 func (c *coordinator) snapshot() *metricsSnapshot {
 	s := &metricsSnapshot{at: time.Now(), started: c.started, epoch: c.inst.epoch,
 		global: c.stats.Global, fanin: c.stats.Fanin, workers: len(c.workers), inflight: c.inflightAll,
-		claimMax: c.claimMax}
+		claimMax: c.claimMax, held: len(c.heldFailures) + len(c.heldResets)}
 	now := time.Now()
 	names := map[string]bool{}
 	for name := range c.pools {
@@ -188,6 +189,7 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 		p.sample("pepsi_in_flight", "gauge", "Messages in workers' queues.", "", s.inflight)
 		p.sample("pepsi_claim_seconds_max", "gauge", "Longest claim statement since the start.", "",
 			fmt.Sprintf("%.6f", s.claimMax.Seconds()))
+		p.sample("pepsi_held_writes", "gauge", "Failure and reset writes waiting for a row another transaction holds.", "", s.held)
 		for _, st := range s.stages {
 			l := stageLabel(st.name)
 			p.sample("pepsi_stage_workers", "gauge", "Live worker processes per stage.", l, st.workers)
