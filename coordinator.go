@@ -128,7 +128,8 @@ type coordinatorDeps struct {
 	retain   *retainer      // nil unless RETENTION is set
 	ha       *haBoard       // the role and the server, shared with /metrics
 
-	heldOrphans []*message // running rows of an earlier run that resetOrphans found held
+	orphans     []*message     // the running rows of an earlier run that resetOrphans met
+	orphansHeld map[int64]bool // those it could not reset: another transaction held them
 }
 
 // newCoordinator builds a coordinator over an acquired instance. ctx must outlive the
@@ -161,13 +162,8 @@ func newCoordinator(ctx context.Context, d coordinatorDeps) *coordinator {
 	c.workerEnv = append(c.workerEnv, "PGAPPNAME="+inst.workerAppName())
 	c.fanin = newFanin(cfg.Dispatch, &c.stats.Fanin)
 	c.setStages(cfg.Stages)
-	if len(d.heldOrphans) > 0 {
-		// Reset once their holder lets go, like the reconcile's held orphans.
-		all := make(map[int64]bool, len(d.heldOrphans))
-		for _, m := range d.heldOrphans {
-			all[m.id] = true
-		}
-		c.keepHeldResets(d.heldOrphans, all)
+	// Held orphans are reset once their holder lets go, like the reconcile's.
+	if c.keepHeldResets(d.orphans, d.orphansHeld) > 0 {
 		c.retryHeldAfter(time.Now())
 	}
 	return c

@@ -207,40 +207,18 @@ func (in *instance) fence(ctx context.Context, version string) (int, error) {
 // fence: then nobody else can be working on them. It goes through resetSQL, which passes over
 // a row another transaction holds (an operator's or an application's, left open: fence ended
 // the earlier run's own sessions) instead of waiting for it with no budget before the first
-// claim; those come back as held, for the coordinator to reset once let go (writeOutcomes).
-func (in *instance) resetOrphans(ctx context.Context) (written int64, held []*message, err error) {
-	rows, err := in.conn.QueryContext(ctx, reconcileSQL)
-	if err != nil {
-		return 0, nil, fmt.Errorf("reset orphaned running rows: read them: %w", err)
-	}
-	var orphans []*message
-	for rows.Next() {
-		m := &message{}
-		var claim sql.NullInt64
-		if err := rows.Scan(&m.id, &m.stage, &claim); err != nil {
-			rows.Close()
-			return 0, nil, fmt.Errorf("reset orphaned running rows: read them: %w", err)
-		}
-		m.claim = claim.Int64 // a row claimed before tokens is guarded as token 0 (resetSQL)
-		orphans = append(orphans, m)
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		return 0, nil, fmt.Errorf("reset orphaned running rows: read them: %w", err)
+// claim; those are in held, for the coordinator to reset once let go (writeOutcomes).
+func (in *instance) resetOrphans(ctx context.Context) (orphans []*message, written int64, held map[int64]bool, err error) {
+	if orphans, err = readRunning(ctx, in.conn); err != nil {
+		return nil, 0, nil, fmt.Errorf("reset orphaned running rows: %w", err)
 	}
 	if len(orphans) == 0 {
-		return 0, nil, nil
+		return nil, 0, nil, nil
 	}
-	written, heldRows, err := writeResets(ctx, in.conn, orphans)
-	if err != nil {
-		return 0, nil, fmt.Errorf("reset orphaned running rows: %w", err)
+	if written, held, err = writeResets(ctx, in.conn, orphans); err != nil {
+		return nil, 0, nil, fmt.Errorf("reset orphaned running rows: %w", err)
 	}
-	for _, m := range orphans {
-		if heldRows[m.id] {
-			held = append(held, m)
-		}
-	}
-	return written, held, nil
+	return orphans, written, held, nil
 }
 
 // relock replaces a lost lock connection. It succeeds only if the lock is free and no other

@@ -253,12 +253,12 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	if err != nil {
 		return err
 	}
-	orphans, heldOrphans, err := inst.resetOrphans(ctx)
+	orphans, orphansReset, orphansHeld, err := inst.resetOrphans(ctx)
 	if err != nil {
 		return err
 	}
-	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphans,
-		"orphans_held", len(heldOrphans), "server", inst.server)
+	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphansReset,
+		"orphans_held", len(orphansHeld), "server", inst.server)
 	work, err := openWorkPool(cfg, inst) // db keeps the lock connection alone
 	if err != nil {
 		return err
@@ -316,14 +316,14 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	}
 	c := newCoordinator(cctx, coordinatorDeps{cfg: &run, version: version, log: log, db: work, inst: inst,
 		notify: listener.Notify, sigs: sigs, hups: hups, metrics: metrics, notifier: sd, retain: retain, ha: ha,
-		heldOrphans: heldOrphans})
+		orphans: orphans, orphansHeld: orphansHeld})
 	if metrics != nil {
 		metrics.publish(c.snapshot())
 	}
 	if err := c.faninStartup(); err != nil {
 		return err
 	}
-	log.Info("dispatching", "stages", len(stages), "orphans_reset", orphans)
+	log.Info("dispatching", "stages", len(stages), "orphans_reset", orphansReset)
 	sd.send("READY=1")
 	err = c.loop()
 	stop()      // worker goroutines give up any send still pending

@@ -15,6 +15,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"time"
 )
@@ -23,6 +24,31 @@ import (
 // running rows (schema.sql says why), so this is one scan of the table, once per re-lock: the
 // price of a failover, not of every claim.
 const reconcileSQL = `SELECT workqueue_id, stage, claim FROM workqueue WHERE status = 'running'`
+
+// readRunning reads the running rows (reconcileSQL) for the two orphan resets, the start's
+// (resetOrphans) and the reconcile's. A row claimed by a version before claim tokens reads as
+// token 0, which resetSQL guards as such.
+func readRunning(ctx context.Context, conn *sql.Conn) ([]*message, error) {
+	rows, err := conn.QueryContext(ctx, reconcileSQL)
+	if err != nil {
+		return nil, fmt.Errorf("read running rows: %w", err)
+	}
+	defer rows.Close()
+	var ms []*message
+	for rows.Next() {
+		m := &message{}
+		var claim sql.NullInt64
+		if err := rows.Scan(&m.id, &m.stage, &claim); err != nil {
+			return nil, fmt.Errorf("read running rows: %w", err)
+		}
+		m.claim = claim.Int64
+		ms = append(ms, m)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read running rows: %w", err)
+	}
+	return ms, nil
+}
 
 // reconcileCounts is what one reconcile did.
 type reconcileCounts struct {
@@ -78,31 +104,19 @@ func (c *coordinator) reconcile() (reconcileCounts, error) {
 	}
 	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
 	defer cancel()
-	rows, err := c.inst.conn.QueryContext(ctx, reconcileSQL)
+	running, err := readRunning(ctx, c.inst.conn)
 	if err != nil {
-		return n, fmt.Errorf("reconcile: read running rows: %w", err)
+		return n, fmt.Errorf("reconcile: %w", err)
 	}
 	var orphans []*message
 	seen := map[key]bool{}
-	for rows.Next() {
-		var k key
-		var claim *int64
-		if err := rows.Scan(&k.id, &k.stage, &claim); err != nil {
-			rows.Close()
-			return n, fmt.Errorf("reconcile: read running rows: %w", err)
-		}
-		if claim != nil {
-			k.claim = *claim
-		}
+	for _, m := range running {
+		k := key{m.id, m.stage, m.claim}
 		if held[k] != nil {
 			seen[k] = true
 			continue
 		}
-		orphans = append(orphans, &message{id: k.id, stage: k.stage, claim: k.claim})
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		return n, fmt.Errorf("reconcile: read running rows: %w", err)
+		orphans = append(orphans, m)
 	}
 	for k, m := range held {
 		if !seen[k] && !m.forgotten {
