@@ -55,7 +55,7 @@ type coordinator struct {
 
 	ctx    context.Context // lives until the workers' goroutines are done sending
 	wg     *sync.WaitGroup // the workers' goroutines and a background fan-in flush or sweep page
-	events chan event      // workerReplies, workerExit, faninFlushed, faninSwept
+	events chan event      // workerReplies, workerExit, faninFlushed, faninSwept, faninReadied
 
 	timers *timerHeap
 	timer  *time.Timer
@@ -195,7 +195,7 @@ func (c *coordinator) loop() error {
 			c.abort()
 			return c.fatal
 		}
-		if c.shutdown && len(c.workers) == 0 && !c.fanin.busy && !c.fanin.sweeping && !c.retaining() {
+		if c.shutdown && len(c.workers) == 0 && !c.fanin.busy && !c.fanin.sweeping && c.fanin.ready != readyRunning && !c.retaining() {
 			c.finish()
 			return nil
 		}
@@ -251,6 +251,7 @@ func (ev workerReplies) handleIn(c *coordinator) { c.onReplies(ev) }  // outcome
 func (ev workerExit) handleIn(c *coordinator)    { c.onExit(ev) }     // supervise.go
 func (ev faninFlushed) handleIn(c *coordinator)  { c.onFlushed(ev) }  // fanin.go
 func (ev faninSwept) handleIn(c *coordinator)    { c.onSwept(ev) }    // fanin.go
+func (ev faninReadied) handleIn(c *coordinator)  { c.onReadied(ev) }  // fanin.go
 func (ev retentionDone) handleIn(c *coordinator) { c.onRetained(ev) } // retention.go
 
 func (c *coordinator) handle(ev event) { ev.handleIn(c) }
@@ -295,6 +296,13 @@ func (c *coordinator) settle() {
 		c.startFlush()
 	} else if !at.IsZero() {
 		c.timers.scheduleEarlier(timerKey{kind: timerFanin}, at)
+	}
+	if f := c.fanin; f.ready == readyDue && !c.shutdown {
+		if now := time.Now(); now.Before(f.readyAt) {
+			c.timers.scheduleEarlier(timerKey{kind: timerFanin}, f.readyAt)
+		} else {
+			c.startFireReady()
+		}
 	}
 	if c.retryWanted {
 		ctx, cancel := c.budget()
@@ -402,7 +410,7 @@ func (c *coordinator) onTimers() {
 		case timerRelock:
 			c.relock()
 		case timerFanin:
-			// settle decides: the coalescing delay is over.
+			// settle decides: the coalescing delay is over, or the start's fire_ready is due.
 		case timerSweep:
 			switch {
 			case c.fanin.sweeping:

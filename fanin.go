@@ -57,6 +57,18 @@ const (
 	faninQuietHints    = 100
 )
 
+// readyStep is where the start's fire_ready is (faninStartup): owed until a flush has emptied
+// the inbox, then due until settle starts it, then running until its event comes back, and
+// due again a second later if it failed.
+type readyStep int
+
+const (
+	readyDone    readyStep = iota // nothing owed: it ran
+	readyOwed                     // after the next flush that succeeds
+	readyDue                      // settle starts it, at readyAt
+	readyRunning                  // in the background
+)
+
 // faninCounters are the fan-in statistics (dispatch_stats columns of the same names; their
 // rows in stats.go's dispatchCounterDefs drive the flush and /metrics).
 type faninCounters struct {
@@ -81,6 +93,9 @@ type fanin struct {
 	lastFlush  time.Time      // the start of the last flush
 	busy       bool           // a flush is running in the background
 	sweeping   bool           // a page of the sweep is running in the background
+	ready      readyStep      // the start's fire_ready: owed, due, running or done
+	readyAt    time.Time      // readyDue: not before then (zero: at once)
+	readyFails int            // its consecutive failures, for the log
 	sweepSoon  bool           // the sweep's timer came due meanwhile: the next page at once
 	failures   int            // consecutive failed flushes, for the log
 	inbox      bool           // the last claim saw unapplied events
@@ -222,7 +237,7 @@ func (c *coordinator) startFlush() {
 
 // runFlush applies the inbox until it is empty (or a batch comes back short). It reads only
 // the settings fixed when f was made (batch, the fail hook), so it may run on the flush goroutine
-// while the coordinator changes the rest of f; at start-up it runs on the coordinator's.
+// while the coordinator changes the rest of f.
 func (f *fanin) runFlush(ctx context.Context, db *sql.DB) faninFlushed {
 	start := time.Now()
 	var ev faninFlushed
@@ -283,6 +298,9 @@ func (c *coordinator) onFlushed(ev faninFlushed) {
 		c.log.Info("fan-in flush works again", "failures_before", f.failures)
 		f.failures = 0
 	}
+	if f.ready == readyOwed {
+		f.ready = readyDue // the inbox is empty as of this flush: settle starts fire_ready now
+	}
 }
 
 // flushOnce runs one fanin_flush statement on a connection of db (see runFlush: fixed
@@ -316,27 +334,69 @@ func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, r *flushResult) error
 	return nil
 }
 
-// faninStartup empties the inbox and fires groups that are already complete: after a crash,
-// evidence may be waiting that nobody will hint about.
-func (c *coordinator) faninStartup() error {
-	ev := c.fanin.runFlush(c.ctx, c.db)
-	c.onFlushed(ev)
-	if ev.err != nil {
-		return ev.err
-	}
-	c.fanin.hit("fanin-fire-ready")
-	var fired, woken int
-	if err := c.inst.conn.QueryRowContext(c.ctx, `SELECT groups_fired, parents_woken FROM fanin_fire_ready()`).
-		Scan(&fired, &woken); err != nil {
-		return fmt.Errorf("fan-in: fire ready groups: %w", err)
-	}
-	c.fanin.stats.Wakes += int64(woken)
-	if fired > 0 {
-		c.log.Info("fan-in: complete groups fired at start-up", "groups", fired, "parents_woken", woken)
-	}
+// faninStartup asks for what a start owes fan-in (doc/design/fanin.md §3.8): the inbox
+// emptied and the groups already complete fired, since after a crash evidence may be waiting
+// that nobody will hint about. Both run in the background, the flush as any flush does and
+// fire_ready after the first flush that succeeds (onFlushed, readyDue), so a row that another
+// transaction holds (an operator's UPDATE left open on a parent, a group's fanout row) delays
+// only the groups that need it: on the lock connection before the loop, fire_ready waited for
+// it with no budget, and the start never said "dispatching"; the start's flush, failing at its
+// budget, ended the run (TestFaninStartupReadyGroupsHeld, TestFaninStartupInboxGroupHeld).
+func (c *coordinator) faninStartup() {
+	c.fanin.inbox = true
+	c.fanin.ready = readyOwed
 	// An early sweep pass after a start: drift is most likely after a crash.
 	c.timers.schedule(timerKey{kind: timerSweep}, time.Now().Add(time.Second))
-	return nil
+}
+
+// faninReadied is the event the start's fire_ready sends back to the coordinator.
+type faninReadied struct {
+	fired, woken int
+	err          error
+}
+
+// startFireReady runs fanin_fire_ready in the background, on a connection of the pool, within
+// one statement budget: it fires every complete open group with no unapplied events, and a
+// row it needs that another transaction holds makes it wait. The flushes go on meanwhile: a
+// group it fires has no events, so no flush touches it, and the wake log's key forbids a
+// second fire whatever the order.
+func (c *coordinator) startFireReady() {
+	f := c.fanin
+	f.ready = readyRunning
+	c.inBackground(func() event {
+		f.hit("fanin-fire-ready")
+		ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
+		defer cancel()
+		var ev faninReadied
+		if err := c.db.QueryRowContext(ctx, `SELECT groups_fired, parents_woken FROM fanin_fire_ready()`).
+			Scan(&ev.fired, &ev.woken); err != nil {
+			ev.err = fmt.Errorf("fan-in: fire ready groups: %w", err)
+		}
+		return ev
+	})
+}
+
+// onReadied takes the start's fire_ready into the coordinator's state. A failure is tried
+// again heldRetryGap later (the inbox was emptied once, which is all the order asks): a held
+// row, its usual cause, has already cost it a budget, and another error must not make it spin.
+func (c *coordinator) onReadied(ev faninReadied) {
+	f := c.fanin
+	if ev.err != nil {
+		f.ready, f.readyAt = readyDue, time.Now().Add(heldRetryGap)
+		if f.readyFails++; f.readyFails == 1 || isPowerOfTen(f.readyFails) {
+			c.log.Warn("fan-in: firing the complete groups at start-up failed; tried again",
+				"err", ev.err, "failures", f.readyFails, "retry_in", heldRetryGap)
+		}
+		return
+	}
+	f.ready = readyDone
+	f.stats.Wakes += int64(ev.woken)
+	if ev.fired > 0 {
+		c.log.Info("fan-in: complete groups fired at start-up", "groups", ev.fired, "parents_woken", ev.woken)
+	}
+	if ev.woken > 0 {
+		c.claimWanted = true // the woken parents are pending at their continuation stage
+	}
 }
 
 // sweepResult is one fanin_sweep call's result.

@@ -578,7 +578,7 @@ END $$;
 ------------------------------------------------------------------------------------------
 
 -- fanin_fire, fanin_recount and fanin_sweep run on long-lived connections (a page of the sweep
--- on one of the dispatcher's pool, fanin_fire_ready at start-up on its lock connection), so
+-- and fanin_fire_ready at start-up on one of the dispatcher's pool), so
 -- their plpgsql plans go generic after five calls, made for the tables as they were then: a
 -- sweep planned on a small table recounted each group by a sequential scan of the grown one (47
 -- scans for 20 groups after 100,000 inserts: TestFaninSweepPlansStaleStatistics). So they run

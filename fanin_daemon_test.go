@@ -1150,3 +1150,143 @@ func TestFaninDaemonOrphanWaiter(t *testing.T) {
 	faninCheckQuiescent(t, s)
 	d.stop()
 }
+
+// ---- the start-up's fan-in pass and rows another transaction holds ----
+
+// faninHandGroup makes a group by hand, as an operator's repair or a crash would leave it: a
+// split parent waiting on n children, all of them done. With consumed, their events are gone
+// and the counters say complete (only fire_ready fires it); without, the events wait in the
+// inbox (the flush fires it). It returns the parent and the group.
+func faninHandGroup(t *testing.T, s *testSchema, n int, consumed bool) (parent, fid int64) {
+	t.Helper()
+	tx, err := s.DB.Begin()
+	if err != nil {
+		t.Fatalf("begin the hand-made group: %v", err)
+	}
+	defer tx.Rollback()
+	if err := tx.QueryRow(`INSERT INTO workqueue (stage, status, claim, claimed_at)
+	        VALUES ('split', 'running', nextval('workqueue_claim_seq'), now()) RETURNING workqueue_id`).Scan(&parent); err != nil {
+		t.Fatalf("insert the hand-made parent: %v", err)
+	}
+	if err := tx.QueryRow(`SELECT fanout_split($1, 'split', 'join', 'child',
+	        (SELECT jsonb_agg('{}'::jsonb) FROM generate_series(1, $2)))`, parent, n).Scan(&fid); err != nil {
+		t.Fatalf("fanout_split of the hand-made parent: %v", err)
+	}
+	steps := []string{`UPDATE workqueue SET status = 'done' WHERE fanout_id = $1`}
+	if consumed {
+		steps = append(steps, `DELETE FROM fanin_event WHERE fanout_id = $1`,
+			fmt.Sprintf(`UPDATE fanout SET done_n = %d WHERE fanout_id = $1`, n))
+	}
+	for _, q := range steps {
+		if _, err := tx.Exec(q, fid); err != nil {
+			t.Fatalf("hand-made group: %s: %v", q, err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatalf("commit the hand-made group: %v", err)
+	}
+	return parent, fid
+}
+
+// faninHold locks the rows that lock selects (a SELECT … FOR UPDATE) in an open transaction,
+// as an operator's UPDATE left open in psql would, and returns its rollback.
+func faninHold(t *testing.T, s *testSchema, lock string, args ...any) (rollback func()) {
+	t.Helper()
+	tx, err := s.DB.Begin()
+	if err != nil {
+		t.Fatalf("begin the lock holder: %v", err)
+	}
+	var n int
+	if err := tx.QueryRow(`SELECT count(*) FROM (`+lock+`) x`, args...).Scan(&n); err != nil || n != 1 {
+		tx.Rollback()
+		t.Fatalf("hold %q: %d rows, %v", lock, n, err)
+	}
+	return func() { tx.Rollback() }
+}
+
+// faninPlainDone enqueues n messages at join that belong to no group (the continuation runs them
+// as such) and waits, up to timeout, until they are done.
+func faninPlainDone(t *testing.T, s *testSchema, n int, timeout time.Duration) {
+	t.Helper()
+	var ids []int64
+	if err := s.DB.QueryRow(`WITH i AS (INSERT INTO workqueue (stage, payload)
+	        SELECT 'join', '{}' FROM generate_series(1, $1) RETURNING workqueue_id)
+	    SELECT array_agg(workqueue_id) FROM i`, n).Scan(pq.Array(&ids)); err != nil {
+		t.Fatalf("enqueue plain messages at join: %v", err)
+	}
+	waitFor(t, timeout, fmt.Sprintf("%d plain messages done", n), func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = ANY ($1) AND status = 'done'`,
+			pq.Array(ids)) == n
+	})
+}
+
+// TestFaninStartupReadyGroupsHeld: at start-up two groups are complete with nothing in the
+// inbox (only fire_ready fires them), and another transaction holds a row that firing each
+// needs: one parent's workqueue row, the other group's fanout row. The dispatcher starts and
+// dispatches within a budget, and new groups join while the rows are held (the start's
+// fire_ready, waiting for them, holds neither the claims nor the flushes); fire_ready gives up
+// at its budget and is tried again; once the rows are let go, both groups fire and their
+// parents' continuations run, once each.
+func TestFaninStartupReadyGroupsHeld(t *testing.T) {
+	s := faninSetup(t)
+	parentA, _ := faninHandGroup(t, s, 3, true)
+	parentB, fidB := faninHandGroup(t, s, 2, true)
+	letGoA := faninHold(t, s, `SELECT 1 FROM workqueue WHERE workqueue_id = $1 FOR UPDATE`, parentA)
+	defer letGoA()
+	letGoB := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidB)
+	defer letGoB()
+
+	d := faninStart(t, faninConf(t, s, "", ""), "fanin")
+	d.waitLog("dispatching", dbStatementBudget)
+	faninPlainDone(t, s, 5, dbStatementBudget/2)
+	ids := faninParents(t, s, `{"n": 4}`, `{"n": 1}`)
+	faninWaitJoined(t, s, ids, 30*time.Second)
+	faninExpectJoin(t, s, ids[0], 4, 0)
+	faninExpectJoin(t, s, ids[1], 1, 0)
+	for _, p := range []int64{parentA, parentB} {
+		if _, st := faninRowStatus(t, s, p); st != "waiting" {
+			t.Fatalf("parent %d is %s while its group's rows are held, want waiting", p, st)
+		}
+	}
+	d.waitLog("firing the complete groups at start-up failed", 2*dbStatementBudget)
+	faninPlainDone(t, s, 5, dbStatementBudget/2)
+
+	letGoA()
+	letGoB()
+	faninWaitJoined(t, s, []int64{parentA, parentB}, 30*time.Second)
+	faninExpectJoin(t, s, parentA, 3, 0)
+	faninExpectJoin(t, s, parentB, 2, 0)
+	if !strings.Contains(d.log.String(), "complete groups fired at start-up") {
+		t.Errorf("the start's fire_ready did not say it fired the groups:\n%s", d.log.String())
+	}
+	faninCheckQuiescent(t, s)
+	d.stop()
+}
+
+// TestFaninStartupInboxGroupHeld: at start-up a group's last events wait in the inbox, and
+// another transaction holds its fanout row, which the start's flush must update. The
+// dispatcher starts and dispatches within a budget (the flush fails at its budget and is
+// tried again, as any flush is); once the row is let go, the flush applies the events and
+// the parent's continuation runs, once.
+func TestFaninStartupInboxGroupHeld(t *testing.T) {
+	s := faninSetup(t)
+	parent, fid := faninHandGroup(t, s, 3, false)
+	if n := s.count(t, `SELECT coalesce(sum(d_done), 0) FROM fanin_event WHERE fanout_id = $1`, fid); n != 3 {
+		t.Fatalf("the inbox holds %d children done of the hand-made group, want 3", n)
+	}
+	letGo := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fid)
+	defer letGo()
+
+	d := faninStart(t, faninConf(t, s, "", ""), "fanin")
+	d.waitLog("dispatching", dbStatementBudget)
+	faninPlainDone(t, s, 5, dbStatementBudget/2)
+	if _, st := faninRowStatus(t, s, parent); st != "waiting" {
+		t.Fatalf("parent %d is %s while its group's row is held, want waiting", parent, st)
+	}
+
+	letGo()
+	faninWaitJoined(t, s, []int64{parent}, 30*time.Second)
+	faninExpectJoin(t, s, parent, 3, 0)
+	faninCheckQuiescent(t, s)
+	d.stop()
+}

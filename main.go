@@ -320,9 +320,7 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	if metrics != nil {
 		metrics.publish(c.snapshot())
 	}
-	if err := c.faninStartup(); err != nil {
-		return err
-	}
+	c.faninStartup()
 	log.Info("dispatching", "stages", len(stages), "orphans_reset", orphansReset)
 	sd.send("READY=1")
 	err = c.loop()
