@@ -87,20 +87,21 @@ type fanin struct {
 	maxDelay time.Duration
 	minHints int
 
-	hints      int            // hints since the last flush
-	hinted     map[int64]int  // hints per group since the last flush
-	remaining  map[int64]int  // remaining children per open group, as of the last flush that saw it
-	lastFlush  time.Time      // the start of the last flush
-	busy       bool           // a flush is running in the background
-	sweeping   bool           // a page of the sweep is running in the background
-	ready      readyStep      // the start's fire_ready: owed, due, running or done
-	readyAt    time.Time      // readyDue: not before then (zero: at once)
-	readyFails int            // its consecutive failures, for the log
-	sweepSoon  bool           // the sweep's timer came due meanwhile: the next page at once
-	failures   int            // consecutive failed flushes, for the log
-	inbox      bool           // the last claim saw unapplied events
-	sweepAfter int64          // the sweep's keyset cursor; 0 = start of a pass
-	stats      *faninCounters // in c.stats
+	hints       int            // hints since the last flush
+	hinted      map[int64]int  // hints per group since the last flush
+	remaining   map[int64]int  // remaining children per open group, as of the last flush that saw it
+	lastFlush   time.Time      // the start of the last flush
+	busy        bool           // a flush is running in the background
+	sweeping    bool           // a page of the sweep is running in the background
+	ready       readyStep      // the start's fire_ready: owed, due, running or done
+	readyAt     time.Time      // readyDue: not before then (zero: at once)
+	readyFails  int            // its consecutive failures, for the log
+	sweepSoon   bool           // the sweep's timer came due meanwhile: the next page at once
+	failures    int            // consecutive failed flushes, for the log
+	heldFlushes int            // consecutive flushes that passed over held groups, for the log
+	inbox       bool           // the last claim saw unapplied events
+	sweepAfter  int64          // the sweep's keyset cursor; 0 = start of a pass
+	stats       *faninCounters // in c.stats
 
 	// fail is fault injection for the crash tests, called at each named point: nil in
 	// production, which makes every point a no-op. It never decides what runs: the flush and
@@ -198,6 +199,7 @@ func (f *fanin) notBefore(now, at time.Time, gap time.Duration) (bool, time.Time
 // flushResult is one fanin_flush call's result.
 type flushResult struct {
 	events, groupsFired, woken, late, quarantined int
+	held                                          int // groups passed over: another transaction holds a row
 	openIDs                                       []int64
 	openRemaining                                 []int64
 }
@@ -216,7 +218,7 @@ type faninFlushed struct {
 // transaction. BEGIN and COMMIT cost two round trips more than an autocommit statement, a few
 // tens of microseconds on the flush goroutine per flush (tens of flushes per 20,000
 // children), never on the coordinator's.
-const flushSQL = `SELECT events, groups_fired, parents_woken, late_events, quarantined, open_ids, open_remaining
+const flushSQL = `SELECT events, groups_fired, parents_woken, late_events, quarantined, held, open_ids, open_remaining
                     FROM fanin_flush($1)`
 
 // startFlush runs a flush in the background, on a connection of the pool, and returns at
@@ -298,8 +300,30 @@ func (c *coordinator) onFlushed(ev faninFlushed) {
 		c.log.Info("fan-in flush works again", "failures_before", f.failures)
 		f.failures = 0
 	}
+	c.onHeldGroups(ev.results[len(ev.results)-1].held)
 	if f.ready == readyOwed {
 		f.ready = readyDue // the inbox is empty as of this flush: settle starts fire_ready now
+	}
+}
+
+// onHeldGroups takes the number of groups the last flush passed over because another
+// transaction holds a row it would write (fanin_flush's held). Their events stay first in the
+// inbox; the inbox flag makes the next flush due FANIN_MAX_DELAY after this one's start, so a
+// held parent is woken within about that of being let go, as long as a hint or the claims'
+// look at the inbox keep the flag (the claims set it from the inbox each time).
+func (c *coordinator) onHeldGroups(held int) {
+	f := c.fanin
+	if held == 0 {
+		if f.heldFlushes > 0 {
+			c.log.Info("fan-in: groups held by other transactions applied", "flushes_before", f.heldFlushes)
+			f.heldFlushes = 0
+		}
+		return
+	}
+	f.inbox = true
+	if f.heldFlushes++; f.heldFlushes == 1 || isPowerOfTen(f.heldFlushes) {
+		c.log.Warn("fan-in: groups passed over, another transaction holds a row they write (a waiting parent, a fanout row); their events wait",
+			"groups", held, "flushes", f.heldFlushes, "retry_in", f.maxDelay)
 	}
 }
 
@@ -314,7 +338,7 @@ func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, r *flushResult) error
 	}
 	defer tx.Rollback() // a no-op after Commit; the error of a rollback after a failure adds nothing
 	if err := tx.QueryRowContext(ctx, flushSQL, f.batch).Scan(&r.events, &r.groupsFired, &r.woken,
-		&r.late, &r.quarantined, pq.Array(&r.openIDs), pq.Array(&r.openRemaining)); err != nil {
+		&r.late, &r.quarantined, &r.held, pq.Array(&r.openIDs), pq.Array(&r.openRemaining)); err != nil {
 		return fmt.Errorf("fan-in flush: %w", err)
 	}
 	if r.events > 0 {

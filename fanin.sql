@@ -648,6 +648,45 @@ BEGIN
            woken, open_ids, open_remaining;
 END $$;
 
+-- fanin_pass_held (internal; fanin_flush calls it) locks the rows that applying the inbox rows
+-- p_ids will write, as the flush's own transaction: each of their groups' fanout row and, for a
+-- group they complete, its parent's workqueue row (the wake). It takes every lock with SKIP
+-- LOCKED and returns the groups for which another transaction held one: an operator's UPDATE
+-- left open on a waiting parent, a sweep recounting the group, a second flusher. Locks this
+-- transaction already has are taken again at no cost, so it may be called twice.
+CREATE OR REPLACE FUNCTION fanin_pass_held(p_ids bigint[]) RETURNS bigint[]
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
+DECLARE
+    groups bigint[];
+    locked bigint[];
+    held   bigint[];
+BEGIN
+    groups := ARRAY(SELECT DISTINCT fanout_id FROM fanin_event WHERE id = ANY (p_ids));
+    locked := ARRAY(SELECT fanout_id FROM fanout WHERE fanout_id = ANY (groups)
+                     ORDER BY fanout_id FOR NO KEY UPDATE SKIP LOCKED);
+    -- A group without a fanout row is late (deleted); nothing of it is written.
+    held := ARRAY(SELECT fanout_id FROM fanout
+                   WHERE fanout_id = ANY (groups) AND NOT fanout_id = ANY (locked));
+    WITH d AS (
+        SELECT e.fanout_id, sum(e.d_done) AS dd, sum(e.d_failed) AS df
+          FROM fanin_event e WHERE e.id = ANY (p_ids) GROUP BY e.fanout_id
+    ), completing AS (
+        SELECT f.fanout_id, f.parent_id FROM fanout f JOIN d USING (fanout_id)
+         WHERE f.fanout_id = ANY (locked) AND f.state = 'open'
+           AND f.done_n + d.dd + f.failed_n + d.df = f.expected_n
+    ), woken AS (
+        SELECT w.workqueue_id FROM workqueue w
+         WHERE w.workqueue_id IN (SELECT parent_id FROM completing)
+         ORDER BY w.workqueue_id FOR NO KEY UPDATE SKIP LOCKED
+    )
+    SELECT held || ARRAY(
+               SELECT c.fanout_id FROM completing c
+                WHERE EXISTS (SELECT 1 FROM workqueue w WHERE w.workqueue_id = c.parent_id)
+                  AND NOT EXISTS (SELECT 1 FROM woken k WHERE k.workqueue_id = c.parent_id))
+      INTO held;
+    RETURN held;
+END $$;
+
 -- fanin_flush consumes up to p_batch inbox rows, oldest first, in one statement (the
 -- coordinator calls it in its own short transaction, autocommit is fine). Returns:
 --   events          inbox rows consumed (applied, late, or dropped by a quarantine);
@@ -662,29 +701,58 @@ END $$;
 --   open_ids, open_remaining   the updated groups still open and their remaining children
 --                   (expected_n - done_n - failed_n): the coordinator's "remaining(f)"
 --   quarantined_ids the quarantined groups
+--   held            groups passed over because another transaction holds a row their
+--                   events would write (fanin_pass_held): their events stay in the inbox,
+--                   first in line for the next flush; held > 0 means flush again soon
+-- Held rows: the flush never waits for a lock. It would have waited for the holder with every
+-- other group's events behind it, so one transaction left open on one waiting parent stopped
+-- all wakes (TestFaninFlushPassesHeldGroups). A held group's events are set aside and the batch
+-- is refilled from the inbox past them (once: a group held in the refill is set aside too), so a
+-- group held for long, whose events pile up at the head of the inbox, never fills the batch.
 -- Quarantine: the batch runs in a subtransaction. If a tripwire fires (check_violation: a
 -- counter would leave [0, expected_n]; unique_violation: a group would fire twice), the batch
 -- is re-applied one group at a time, each in its own subtransaction; a group that trips again
 -- has its events of this batch deleted unapplied and a fanin_quarantine row, and the next
 -- fanin_sweep recounts it from the children rows. One corrupt group never stops the others.
-CREATE OR REPLACE FUNCTION fanin_flush(p_batch int DEFAULT 10000,
+-- The result gained held: an earlier version of the function is dropped first (a dispatcher
+-- of that version names the columns it reads, so it goes on working over this one).
+DROP FUNCTION IF EXISTS fanin_flush(int);
+CREATE FUNCTION fanin_flush(p_batch int DEFAULT 10000,
     OUT events int, OUT groups_updated int, OUT groups_fired int, OUT parents_woken int,
     OUT late_events int, OUT quarantined int, OUT woken bigint[], OUT open_ids bigint[],
-    OUT open_remaining int[], OUT quarantined_ids bigint[])
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+    OUT open_remaining int[], OUT quarantined_ids bigint[], OUT held int)
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
-    batch bigint[];
-    r     record;
-    g     record;
-    msg   text;
+    batch  bigint[];
+    passed bigint[];
+    more   bigint[];
+    r      record;
+    g      record;
+    msg    text;
 BEGIN
     quarantined := 0;
     quarantined_ids := '{}';
+    held := 0;
+    events := 0; groups_updated := 0; groups_fired := 0; parents_woken := 0;
+    late_events := 0; woken := '{}'; open_ids := '{}'; open_remaining := '{}';
     batch := ARRAY(SELECT id FROM fanin_event ORDER BY id LIMIT p_batch);
     IF cardinality(batch) = 0 THEN
-        events := 0; groups_updated := 0; groups_fired := 0; parents_woken := 0;
-        late_events := 0; woken := '{}'; open_ids := '{}'; open_remaining := '{}';
         RETURN;
+    END IF;
+    passed := fanin_pass_held(batch);
+    IF cardinality(passed) > 0 THEN
+        batch := ARRAY(SELECT id FROM fanin_event WHERE NOT fanout_id = ANY (passed)
+                        ORDER BY id LIMIT p_batch);
+        more := fanin_pass_held(batch);
+        IF cardinality(more) > 0 THEN
+            passed := passed || more;
+            batch := ARRAY(SELECT id FROM fanin_event WHERE id = ANY (batch)
+                              AND NOT fanout_id = ANY (more) ORDER BY id);
+        END IF;
+        held := cardinality(passed);
+        IF cardinality(batch) = 0 THEN
+            RETURN;
+        END IF;
     END IF;
     BEGIN
         SELECT * INTO r FROM fanin_apply(batch);
@@ -693,11 +761,10 @@ BEGIN
         open_ids := r.open_ids; open_remaining := r.open_remaining;
         RETURN;
     EXCEPTION WHEN check_violation OR unique_violation THEN
-        -- Rolled back to the start of the block: the batch is in the inbox again.
+        -- Rolled back to the start of the block: the batch is in the inbox again (the locks
+        -- of fanin_pass_held, taken before the block, are kept).
         NULL;
     END;
-    events := 0; groups_updated := 0; groups_fired := 0; parents_woken := 0;
-    late_events := 0; woken := '{}'; open_ids := '{}'; open_remaining := '{}';
     FOR g IN SELECT e.fanout_id, array_agg(e.id) AS ids
                FROM fanin_event e WHERE e.id = ANY (batch)
               GROUP BY e.fanout_id ORDER BY e.fanout_id LOOP

@@ -1153,11 +1153,17 @@ func TestFaninDaemonOrphanWaiter(t *testing.T) {
 
 // ---- the start-up's fan-in pass and rows another transaction holds ----
 
-// faninHandGroup makes a group by hand, as an operator's repair or a crash would leave it: a
-// split parent waiting on n children, all of them done. With consumed, their events are gone
-// and the counters say complete (only fire_ready fires it); without, the events wait in the
-// inbox (the flush fires it). It returns the parent and the group.
-func faninHandGroup(t *testing.T, s *testSchema, n int, consumed bool) (parent, fid int64) {
+// The states of a hand-made group's children (faninHandGroup).
+const (
+	handPending = iota // pending at child, for the dispatcher to run
+	handInbox          // done, their events waiting in the inbox (a flush fires the group)
+	handApplied        // done, their events consumed and the counters complete (only fire_ready fires it)
+)
+
+// faninHandGroup makes a group by hand, as a split, an operator's repair or a crash would leave
+// it: a split parent waiting at join on n children at child, in the state children says. It
+// returns the parent and the group.
+func faninHandGroup(t *testing.T, s *testSchema, n int, children int) (parent, fid int64) {
 	t.Helper()
 	tx, err := s.DB.Begin()
 	if err != nil {
@@ -1172,8 +1178,11 @@ func faninHandGroup(t *testing.T, s *testSchema, n int, consumed bool) (parent, 
 	        (SELECT jsonb_agg('{}'::jsonb) FROM generate_series(1, $2)))`, parent, n).Scan(&fid); err != nil {
 		t.Fatalf("fanout_split of the hand-made parent: %v", err)
 	}
-	steps := []string{`UPDATE workqueue SET status = 'done' WHERE fanout_id = $1`}
-	if consumed {
+	var steps []string
+	if children != handPending {
+		steps = append(steps, `UPDATE workqueue SET status = 'done' WHERE fanout_id = $1`)
+	}
+	if children == handApplied {
 		steps = append(steps, `DELETE FROM fanin_event WHERE fanout_id = $1`,
 			fmt.Sprintf(`UPDATE fanout SET done_n = %d WHERE fanout_id = $1`, n))
 	}
@@ -1229,8 +1238,8 @@ func faninPlainDone(t *testing.T, s *testSchema, n int, timeout time.Duration) {
 // parents' continuations run, once each.
 func TestFaninStartupReadyGroupsHeld(t *testing.T) {
 	s := faninSetup(t)
-	parentA, _ := faninHandGroup(t, s, 3, true)
-	parentB, fidB := faninHandGroup(t, s, 2, true)
+	parentA, _ := faninHandGroup(t, s, 3, handApplied)
+	parentB, fidB := faninHandGroup(t, s, 2, handApplied)
 	letGoA := faninHold(t, s, `SELECT 1 FROM workqueue WHERE workqueue_id = $1 FOR UPDATE`, parentA)
 	defer letGoA()
 	letGoB := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidB)
@@ -1265,12 +1274,12 @@ func TestFaninStartupReadyGroupsHeld(t *testing.T) {
 
 // TestFaninStartupInboxGroupHeld: at start-up a group's last events wait in the inbox, and
 // another transaction holds its fanout row, which the start's flush must update. The
-// dispatcher starts and dispatches within a budget (the flush fails at its budget and is
-// tried again, as any flush is); once the row is let go, the flush applies the events and
-// the parent's continuation runs, once.
+// dispatcher starts and dispatches within a budget (the flush passes the group over, as any
+// flush does: TestFaninHeldGroupsOthersWake); once the row is let go, a flush applies the
+// events and the parent's continuation runs, once.
 func TestFaninStartupInboxGroupHeld(t *testing.T) {
 	s := faninSetup(t)
-	parent, fid := faninHandGroup(t, s, 3, false)
+	parent, fid := faninHandGroup(t, s, 3, handInbox)
 	if n := s.count(t, `SELECT coalesce(sum(d_done), 0) FROM fanin_event WHERE fanout_id = $1`, fid); n != 3 {
 		t.Fatalf("the inbox holds %d children done of the hand-made group, want 3", n)
 	}
@@ -1287,6 +1296,51 @@ func TestFaninStartupInboxGroupHeld(t *testing.T) {
 	letGo()
 	faninWaitJoined(t, s, []int64{parent}, 30*time.Second)
 	faninExpectJoin(t, s, parent, 3, 0)
+	faninCheckQuiescent(t, s)
+	d.stop()
+}
+
+// TestFaninHeldGroupsOthersWake: while the dispatcher runs, two groups complete whose rows
+// another transaction holds (one parent's workqueue row, the other group's fanout row). The
+// flushes pass them over and say so, new groups join meanwhile, and once the rows are let go
+// both parents are woken and their continuations run, once each. Before, each flush waited for
+// the held row until its budget and failed, and no group of any parent was woken meanwhile.
+func TestFaninHeldGroupsOthersWake(t *testing.T) {
+	s := faninSetup(t)
+	parentA, _ := faninHandGroup(t, s, 3, handPending)
+	parentB, fidB := faninHandGroup(t, s, 2, handPending)
+	letGoA := faninHold(t, s, `SELECT 1 FROM workqueue WHERE workqueue_id = $1 FOR UPDATE`, parentA)
+	defer letGoA()
+	letGoB := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidB)
+	defer letGoB()
+
+	d := faninStart(t, faninConf(t, s, "", ""), "fanin")
+	d.waitLog("dispatching", dbStatementBudget)
+	waitFor(t, 30*time.Second, "the held groups' children done", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE stage = 'child' AND status = 'done'`) == 5
+	})
+	ids := faninParents(t, s, `{"n": 4}`, `{"n": 1}`)
+	waitFor(t, dbStatementBudget/2, "2 new parents joined while the held groups wait", func() bool {
+		return faninJoined(t, s, ids) == 2
+	})
+	d.waitLog("fan-in: groups passed over", time.Second)
+	faninExpectJoin(t, s, ids[0], 4, 0)
+	faninExpectJoin(t, s, ids[1], 1, 0)
+	for _, p := range []int64{parentA, parentB} {
+		if _, st := faninRowStatus(t, s, p); st != "waiting" {
+			t.Fatalf("parent %d is %s while its group's rows are held, want waiting", p, st)
+		}
+	}
+	if strings.Contains(d.log.String(), "fan-in flush failed") {
+		t.Errorf("a flush failed (waited for a held row?):\n%s", d.log.String())
+	}
+
+	letGoA()
+	letGoB()
+	faninWaitJoined(t, s, []int64{parentA, parentB}, 30*time.Second)
+	faninExpectJoin(t, s, parentA, 3, 0)
+	faninExpectJoin(t, s, parentB, 2, 0)
+	d.waitLog("fan-in: groups held by other transactions applied", 5*time.Second)
 	faninCheckQuiescent(t, s)
 	d.stop()
 }

@@ -41,8 +41,8 @@ type faninQuerier interface {
 
 // faninFlushResult is one row of fanin_flush.
 type faninFlushResult struct {
-	Events, GroupsUpdated, GroupsFired, ParentsWoken, LateEvents, Quarantined int
-	Woken, OpenIDs, OpenRemaining, QuarantinedIDs                             []int64
+	Events, GroupsUpdated, GroupsFired, ParentsWoken, LateEvents, Quarantined, Held int
+	Woken, OpenIDs, OpenRemaining, QuarantinedIDs                                   []int64
 }
 
 func (r *faninFlushResult) add(o faninFlushResult) {
@@ -52,6 +52,7 @@ func (r *faninFlushResult) add(o faninFlushResult) {
 	r.ParentsWoken += o.ParentsWoken
 	r.LateEvents += o.LateEvents
 	r.Quarantined += o.Quarantined
+	r.Held = o.Held // as of the last flush
 	r.Woken = append(r.Woken, o.Woken...)
 	r.OpenIDs = append(r.OpenIDs, o.OpenIDs...)
 	r.OpenRemaining = append(r.OpenRemaining, o.OpenRemaining...)
@@ -62,10 +63,10 @@ func (r *faninFlushResult) add(o faninFlushResult) {
 func faninFlush(ctx context.Context, q faninQuerier, batch int) (faninFlushResult, error) {
 	var r faninFlushResult
 	err := q.QueryRowContext(ctx, `SELECT events, groups_updated, groups_fired, parents_woken,
-	        late_events, quarantined, woken, open_ids, open_remaining, quarantined_ids
+	        late_events, quarantined, woken, open_ids, open_remaining, quarantined_ids, held
 	   FROM fanin_flush($1)`, batch).Scan(&r.Events, &r.GroupsUpdated, &r.GroupsFired,
 		&r.ParentsWoken, &r.LateEvents, &r.Quarantined, pq.Array(&r.Woken), pq.Array(&r.OpenIDs),
-		pq.Array(&r.OpenRemaining), pq.Array(&r.QuarantinedIDs))
+		pq.Array(&r.OpenRemaining), pq.Array(&r.QuarantinedIDs), &r.Held)
 	if err != nil {
 		return r, fmt.Errorf("fanin_flush(%d): %w", batch, err)
 	}
@@ -1592,6 +1593,88 @@ func TestFaninConcurrentFlushes(t *testing.T) {
 	slices.Sort(want)
 	if !slices.Equal(woken, want) {
 		t.Errorf("woken parents %v, want each of %v exactly once", woken, want)
+	}
+	checkFaninInvariants(t, s)
+}
+
+// TestFaninFlushPassesHeldGroups: a flush passes over a group whose rows another transaction
+// holds (its fanout row; the parent's row of a group the batch completes) instead of waiting,
+// applies the other groups, and says how many it passed over; the held groups' events stay in
+// the inbox and are applied, once, when let go. The held group's events come first and fill
+// the batch, which must not keep the groups behind them waiting.
+func TestFaninFlushPassesHeldGroups(t *testing.T) {
+	s := newTestSchema(t)
+	_, fidA, kidsA := faninClaimedGroup(t, s, 3)
+	parentB, fidB, kidsB := faninClaimedGroup(t, s, 2)
+	parentC, fidC, kidsC := faninClaimedGroup(t, s, 2)
+	for _, k := range kidsA {
+		faninFinish(t, s, []int64{k}, "done") // three inbox rows of A, first in the inbox
+	}
+	faninFinish(t, s, kidsB, "done")
+	faninFinish(t, s, kidsC, "done")
+	hold := func(lock string, id int64) *sql.Tx {
+		tx, err := s.DB.Begin()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { tx.Rollback() })
+		if _, err := tx.Exec(lock, id); err != nil {
+			t.Fatalf("hold %d: %v", id, err)
+		}
+		return tx
+	}
+	holdA := hold(`SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidA)
+	holdC := hold(`UPDATE workqueue SET priority = priority WHERE workqueue_id = $1`, parentC)
+	flush := func(batch int) faninFlushResult {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		r, err := faninFlush(ctx, s.DB, batch)
+		if err != nil {
+			t.Fatalf("a flush with held groups: %v", err)
+		}
+		return r
+	}
+
+	r := flush(2)
+	if r.Events != 1 || r.GroupsFired != 1 || !slices.Equal(r.Woken, []int64{parentB}) || r.Held != 2 {
+		t.Fatalf("flush with A and C held: %+v; want B's one event applied and B fired, 2 groups held", r)
+	}
+	if n := s.count(t, `SELECT count(*) FROM fanin_event WHERE fanout_id IN ($1, $2)`, fidA, fidC); n != 4 {
+		t.Fatalf("%d inbox rows of the held groups, want 4 (3 of A, 1 of C)", n)
+	}
+	for _, g := range []int64{fidA, fidC} {
+		if state, _, done, _ := faninGroup(t, s, g); state != "open" || done != 0 {
+			t.Fatalf("held group %d is %s with %d done, want open with nothing applied", g, state, done)
+		}
+	}
+	if state, _, done, _ := faninGroup(t, s, fidB); state != "fired" || done != 2 {
+		t.Fatalf("group B is %s with %d done, want fired with 2", state, done)
+	}
+
+	if err := holdA.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	r = flush(2)
+	if r.Events != 2 || r.Held != 0 || r.GroupsFired != 0 {
+		t.Fatalf("flush after A let go: %+v; want A's first two events applied (C's is past the batch)", r)
+	}
+	r = flush(2)
+	if r.Events != 1 || r.Held != 1 || r.GroupsFired != 1 {
+		t.Fatalf("next flush with C held: %+v; want A's last event applied and A fired, C held", r)
+	}
+	if err := holdC.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	r = flush(2)
+	if r.Events != 1 || r.Held != 0 || !slices.Equal(r.Woken, []int64{parentC}) {
+		t.Fatalf("flush after C let go: %+v; want C's event applied and its parent woken", r)
+	}
+	if r := flush(2); r.Events != 0 || r.Held != 0 {
+		t.Fatalf("a re-flush did something: %+v", r)
+	}
+	if n := s.count(t, `SELECT count(*) FROM fanin_wake_log`); n != 3 {
+		t.Errorf("%d wake-log rows, want 3", n)
 	}
 	checkFaninInvariants(t, s)
 }
