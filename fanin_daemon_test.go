@@ -1229,6 +1229,50 @@ func faninPlainDone(t *testing.T, s *testSchema, n int, timeout time.Duration) {
 	})
 }
 
+// heldGroups are two hand-made groups (faninHandGroup) whose rows another transaction holds:
+// A (3 children) by its parent's workqueue row, which the wake writes, B (2 children) by its
+// fanout row, which every application of its evidence writes.
+type heldGroups struct {
+	parents [2]int64
+	letGo   func()
+}
+
+// faninHeldGroups makes the two groups with their children in the state children says, holds
+// their rows, and starts a dispatcher, which must say "dispatching" within a budget.
+func faninHeldGroups(t *testing.T, s *testSchema, children int) (heldGroups, *daemon) {
+	t.Helper()
+	var h heldGroups
+	var fidB int64
+	h.parents[0], _ = faninHandGroup(t, s, 3, children)
+	h.parents[1], fidB = faninHandGroup(t, s, 2, children)
+	letGoA := faninHold(t, s, `SELECT 1 FROM workqueue WHERE workqueue_id = $1 FOR UPDATE`, h.parents[0])
+	letGoB := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidB)
+	h.letGo = func() { letGoA(); letGoB() }
+	t.Cleanup(h.letGo)
+	d := faninStart(t, faninConf(t, s, "", ""), "fanin")
+	d.waitLog("dispatching", dbStatementBudget)
+	return h, d
+}
+
+// stillWaiting requires both parents still waiting, as they must while their rows are held.
+func (h heldGroups) stillWaiting(t *testing.T, s *testSchema) {
+	t.Helper()
+	for _, p := range h.parents {
+		if _, st := faninRowStatus(t, s, p); st != "waiting" {
+			t.Fatalf("parent %d is %s while its group's rows are held, want waiting", p, st)
+		}
+	}
+}
+
+// joinOnce lets the rows go and requires each parent woken, and its continuation run, once.
+func (h heldGroups) joinOnce(t *testing.T, s *testSchema) {
+	t.Helper()
+	h.letGo()
+	faninWaitJoined(t, s, h.parents[:], 30*time.Second)
+	faninExpectJoin(t, s, h.parents[0], 3, 0)
+	faninExpectJoin(t, s, h.parents[1], 2, 0)
+}
+
 // TestFaninStartupReadyGroupsHeld: at start-up two groups are complete with nothing in the
 // inbox (only fire_ready fires them), and another transaction holds a row that firing each
 // needs: one parent's workqueue row, the other group's fanout row. The dispatcher starts and
@@ -1238,33 +1282,17 @@ func faninPlainDone(t *testing.T, s *testSchema, n int, timeout time.Duration) {
 // parents' continuations run, once each.
 func TestFaninStartupReadyGroupsHeld(t *testing.T) {
 	s := faninSetup(t)
-	parentA, _ := faninHandGroup(t, s, 3, handApplied)
-	parentB, fidB := faninHandGroup(t, s, 2, handApplied)
-	letGoA := faninHold(t, s, `SELECT 1 FROM workqueue WHERE workqueue_id = $1 FOR UPDATE`, parentA)
-	defer letGoA()
-	letGoB := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidB)
-	defer letGoB()
-
-	d := faninStart(t, faninConf(t, s, "", ""), "fanin")
-	d.waitLog("dispatching", dbStatementBudget)
+	h, d := faninHeldGroups(t, s, handApplied)
 	faninPlainDone(t, s, 5, dbStatementBudget/2)
 	ids := faninParents(t, s, `{"n": 4}`, `{"n": 1}`)
 	faninWaitJoined(t, s, ids, 30*time.Second)
 	faninExpectJoin(t, s, ids[0], 4, 0)
 	faninExpectJoin(t, s, ids[1], 1, 0)
-	for _, p := range []int64{parentA, parentB} {
-		if _, st := faninRowStatus(t, s, p); st != "waiting" {
-			t.Fatalf("parent %d is %s while its group's rows are held, want waiting", p, st)
-		}
-	}
+	h.stillWaiting(t, s)
 	d.waitLog("firing the complete groups at start-up failed", 2*dbStatementBudget)
 	faninPlainDone(t, s, 5, dbStatementBudget/2)
 
-	letGoA()
-	letGoB()
-	faninWaitJoined(t, s, []int64{parentA, parentB}, 30*time.Second)
-	faninExpectJoin(t, s, parentA, 3, 0)
-	faninExpectJoin(t, s, parentB, 2, 0)
+	h.joinOnce(t, s)
 	if !strings.Contains(d.log.String(), "complete groups fired at start-up") {
 		t.Errorf("the start's fire_ready did not say it fired the groups:\n%s", d.log.String())
 	}
@@ -1307,15 +1335,7 @@ func TestFaninStartupInboxGroupHeld(t *testing.T) {
 // the held row until its budget and failed, and no group of any parent was woken meanwhile.
 func TestFaninHeldGroupsOthersWake(t *testing.T) {
 	s := faninSetup(t)
-	parentA, _ := faninHandGroup(t, s, 3, handPending)
-	parentB, fidB := faninHandGroup(t, s, 2, handPending)
-	letGoA := faninHold(t, s, `SELECT 1 FROM workqueue WHERE workqueue_id = $1 FOR UPDATE`, parentA)
-	defer letGoA()
-	letGoB := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidB)
-	defer letGoB()
-
-	d := faninStart(t, faninConf(t, s, "", ""), "fanin")
-	d.waitLog("dispatching", dbStatementBudget)
+	h, d := faninHeldGroups(t, s, handPending)
 	waitFor(t, 30*time.Second, "the held groups' children done", func() bool {
 		return s.count(t, `SELECT count(*) FROM workqueue WHERE stage = 'child' AND status = 'done'`) == 5
 	})
@@ -1326,20 +1346,12 @@ func TestFaninHeldGroupsOthersWake(t *testing.T) {
 	d.waitLog("fan-in: groups passed over", time.Second)
 	faninExpectJoin(t, s, ids[0], 4, 0)
 	faninExpectJoin(t, s, ids[1], 1, 0)
-	for _, p := range []int64{parentA, parentB} {
-		if _, st := faninRowStatus(t, s, p); st != "waiting" {
-			t.Fatalf("parent %d is %s while its group's rows are held, want waiting", p, st)
-		}
-	}
+	h.stillWaiting(t, s)
 	if strings.Contains(d.log.String(), "fan-in flush failed") {
 		t.Errorf("a flush failed (waited for a held row?):\n%s", d.log.String())
 	}
 
-	letGoA()
-	letGoB()
-	faninWaitJoined(t, s, []int64{parentA, parentB}, 30*time.Second)
-	faninExpectJoin(t, s, parentA, 3, 0)
-	faninExpectJoin(t, s, parentB, 2, 0)
+	h.joinOnce(t, s)
 	d.waitLog("fan-in: groups held by other transactions applied", 5*time.Second)
 	faninCheckQuiescent(t, s)
 	d.stop()

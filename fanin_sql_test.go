@@ -1679,6 +1679,52 @@ func TestFaninFlushPassesHeldGroups(t *testing.T) {
 	checkFaninInvariants(t, s)
 }
 
+// TestFaninFlushHeldAndQuarantined: one batch has a group whose evidence trips a guard, a
+// healthy group, and a group the batch completes whose parent's row another transaction holds.
+// Whichever the flush meets first, the corrupt group is quarantined, the healthy one fired,
+// and the held one passed over with its events kept, then applied once when let go.
+func TestFaninFlushHeldAndQuarantined(t *testing.T) {
+	s := newTestSchema(t)
+	_, fa, ka := faninNewGroup(t, s, 3)
+	pb, _, kb := faninNewGroup(t, s, 2)
+	pc, fc, kc := faninNewGroup(t, s, 2)
+	faninClaim(t, s, slices.Concat(ka, kb, kc))
+	faninWriteUnseen(t, s, ka[0], "done")
+	s.exec(t, `UPDATE workqueue SET status = 'pending' WHERE workqueue_id = $1`, ka[0]) // A: -1
+	faninFinish(t, s, kb, "done")
+	faninFinish(t, s, kc, "done")
+	holder, err := s.DB.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback()
+	if _, err := holder.Exec(`UPDATE workqueue SET priority = priority WHERE workqueue_id = $1`, pc); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	r, err := faninFlush(ctx, s.DB, 10000)
+	if err != nil {
+		t.Fatalf("flush: %v", err)
+	}
+	if !slices.Equal(r.QuarantinedIDs, []int64{fa}) || !slices.Equal(r.Woken, []int64{pb}) || r.Held != 1 {
+		t.Fatalf("flush: %+v; want %d quarantined, %d woken, one group held", r, fa, pb)
+	}
+	if n := s.count(t, `SELECT count(*) FROM fanin_event WHERE fanout_id = $1`, fc); n != 1 {
+		t.Fatalf("%d inbox rows of the held group, want its 1", n)
+	}
+	if err := holder.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	if r := faninFlushAll(t, s, 10000); !slices.Equal(r.Woken, []int64{pc}) || r.Held != 0 {
+		t.Fatalf("flush after the holder let go: %+v, want %d woken", r, pc)
+	}
+	if sw := faninSweepPass(t, s, 500, "0"); sw.QuarantineCleared != 1 {
+		t.Fatalf("sweep: %+v, want the quarantined group recounted and cleared", sw)
+	}
+	checkFaninInvariants(t, s)
+}
+
 // --- quarantine, orphans, paging, cursor ------------------------------------------------
 
 // TestFaninQuarantine: inconsistent evidence trips a guard; the flush applies the other
