@@ -98,6 +98,7 @@ type fanin struct {
 	readyFails  int            // its consecutive failures, for the log
 	sweepSoon   bool           // the sweep's timer came due meanwhile: the next page at once
 	failures    int            // consecutive failed flushes, for the log
+	heldGroups  int            // groups the last flush passed over (held), for /metrics
 	heldFlushes int            // consecutive flushes that passed over held groups, for the log
 	inbox       bool           // the last claim saw unapplied events
 	sweepAfter  int64          // the sweep's keyset cursor; 0 = start of a pass
@@ -300,7 +301,9 @@ func (c *coordinator) onFlushed(ev faninFlushed) {
 		c.log.Info("fan-in flush works again", "failures_before", f.failures)
 		f.failures = 0
 	}
-	c.onHeldGroups(ev.results[len(ev.results)-1].held)
+	if n := len(ev.results); n > 0 {
+		c.onHeldGroups(ev.results[n-1].held) // the last statement's: the groups still passed over
+	}
 	if f.ready == readyOwed {
 		f.ready = readyDue // the inbox is empty as of this flush: settle starts fire_ready now
 	}
@@ -313,6 +316,7 @@ func (c *coordinator) onFlushed(ev faninFlushed) {
 // look at the inbox keep the flag (the claims set it from the inbox each time).
 func (c *coordinator) onHeldGroups(held int) {
 	f := c.fanin
+	f.heldGroups = held
 	if held == 0 {
 		if f.heldFlushes > 0 {
 			c.log.Info("fan-in: groups held by other transactions applied", "flushes_before", f.heldFlushes)

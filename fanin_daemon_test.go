@@ -1238,8 +1238,9 @@ type heldGroups struct {
 }
 
 // faninHeldGroups makes the two groups with their children in the state children says, holds
-// their rows, and starts a dispatcher, which must say "dispatching" within a budget.
-func faninHeldGroups(t *testing.T, s *testSchema, children int) (heldGroups, *daemon) {
+// their rows, and starts a dispatcher with /metrics at the address it returns, which must say
+// "dispatching" within a budget.
+func faninHeldGroups(t *testing.T, s *testSchema, children int) (heldGroups, *daemon, string) {
 	t.Helper()
 	var h heldGroups
 	var fidB int64
@@ -1249,9 +1250,10 @@ func faninHeldGroups(t *testing.T, s *testSchema, children int) (heldGroups, *da
 	letGoB := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidB)
 	h.letGo = func() { letGoA(); letGoB() }
 	t.Cleanup(h.letGo)
-	d := faninStart(t, faninConf(t, s, "", ""), "fanin")
+	addr := freePort(t)
+	d := faninStart(t, faninConf(t, s, "METRICS_LISTEN = "+addr, ""), "fanin")
 	d.waitLog("dispatching", dbStatementBudget)
-	return h, d
+	return h, d, addr
 }
 
 // stillWaiting requires both parents still waiting, as they must while their rows are held.
@@ -1282,7 +1284,7 @@ func (h heldGroups) joinOnce(t *testing.T, s *testSchema) {
 // parents' continuations run, once each.
 func TestFaninStartupReadyGroupsHeld(t *testing.T) {
 	s := faninSetup(t)
-	h, d := faninHeldGroups(t, s, handApplied)
+	h, d, _ := faninHeldGroups(t, s, handApplied)
 	faninPlainDone(t, s, 5, dbStatementBudget/2)
 	ids := faninParents(t, s, `{"n": 4}`, `{"n": 1}`)
 	faninWaitJoined(t, s, ids, 30*time.Second)
@@ -1335,7 +1337,7 @@ func TestFaninStartupInboxGroupHeld(t *testing.T) {
 // the held row until its budget and failed, and no group of any parent was woken meanwhile.
 func TestFaninHeldGroupsOthersWake(t *testing.T) {
 	s := faninSetup(t)
-	h, d := faninHeldGroups(t, s, handPending)
+	h, d, addr := faninHeldGroups(t, s, handPending)
 	waitFor(t, 30*time.Second, "the held groups' children done", func() bool {
 		return s.count(t, `SELECT count(*) FROM workqueue WHERE stage = 'child' AND status = 'done'`) == 5
 	})
@@ -1344,6 +1346,10 @@ func TestFaninHeldGroupsOthersWake(t *testing.T) {
 		return faninJoined(t, s, ids) == 2
 	})
 	d.waitLog("fan-in: groups passed over", time.Second)
+	waitFor(t, 5*time.Second, "pepsi_fanin_held_groups 2 on /metrics", func() bool {
+		v, ok := metric(t, addr, "pepsi_fanin_held_groups")
+		return ok && v == 2
+	})
 	faninExpectJoin(t, s, ids[0], 4, 0)
 	faninExpectJoin(t, s, ids[1], 1, 0)
 	h.stillWaiting(t, s)
@@ -1353,6 +1359,10 @@ func TestFaninHeldGroupsOthersWake(t *testing.T) {
 
 	h.joinOnce(t, s)
 	d.waitLog("fan-in: groups held by other transactions applied", 5*time.Second)
+	waitFor(t, 5*time.Second, "pepsi_fanin_held_groups back to 0 on /metrics", func() bool {
+		v, ok := metric(t, addr, "pepsi_fanin_held_groups")
+		return ok && v == 0
+	})
 	faninCheckQuiescent(t, s)
 	d.stop()
 }

@@ -29,17 +29,18 @@ const metricsPublishEvery = time.Second
 
 // metricsSnapshot is what the coordinator publishes.
 type metricsSnapshot struct {
-	at       time.Time
-	started  time.Time
-	epoch    int64
-	stages   []stageSnapshot // sorted by name
-	global   globalCounters
-	fanin    faninCounters
-	workers  int
-	inflight int
-	config   []*StageConfig // the stage table as the coordinator runs it, sorted by name
-	claimMax time.Duration
-	held     int // writes waiting for a row another transaction holds (outcome.go)
+	at        time.Time
+	started   time.Time
+	epoch     int64
+	stages    []stageSnapshot // sorted by name
+	global    globalCounters
+	fanin     faninCounters
+	workers   int
+	inflight  int
+	config    []*StageConfig // the stage table as the coordinator runs it, sorted by name
+	claimMax  time.Duration
+	held      int // writes waiting for a row another transaction holds (outcome.go)
+	faninHeld int // fan-in groups the last flush passed over: another transaction holds a row (fanin.go)
 }
 
 type stageSnapshot struct {
@@ -69,7 +70,7 @@ func (m *metricsServer) publish(s *metricsSnapshot) { m.snap.Store(s) }
 func (c *coordinator) snapshot() *metricsSnapshot {
 	s := &metricsSnapshot{at: time.Now(), started: c.started, epoch: c.inst.epoch,
 		global: c.stats.Global, fanin: c.stats.Fanin, workers: len(c.workers), inflight: c.inflightAll,
-		claimMax: c.claimMax, held: len(c.heldFailures) + len(c.heldResets)}
+		claimMax: c.claimMax, held: len(c.heldFailures) + len(c.heldResets), faninHeld: c.fanin.heldGroups}
 	now := time.Now()
 	names := map[string]bool{}
 	for name := range c.pools {
@@ -190,6 +191,7 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 		p.sample("pepsi_claim_seconds_max", "gauge", "Longest claim statement since the start.", "",
 			fmt.Sprintf("%.6f", s.claimMax.Seconds()))
 		p.sample("pepsi_held_writes", "gauge", "Failure and reset writes waiting for a row another transaction holds.", "", s.held)
+		p.sample("pepsi_fanin_held_groups", "gauge", "Fan-in groups the last flush passed over: another transaction holds a row they write.", "", s.faninHeld)
 		for _, st := range s.stages {
 			l := stageLabel(st.name)
 			p.sample("pepsi_stage_workers", "gauge", "Live worker processes per stage.", l, st.workers)

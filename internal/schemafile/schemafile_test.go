@@ -32,7 +32,7 @@ func TestReadRepositorySchema(t *testing.T) {
 		}
 	}
 	core := strings.Index(text, "CREATE TABLE IF NOT EXISTS workqueue (")
-	fanin := strings.Index(text, "CREATE OR REPLACE FUNCTION fanin_flush(")
+	fanin := strings.Index(text, "CREATE FUNCTION fanin_flush(")
 	if core < 0 || fanin < 0 || fanin < core {
 		t.Fatalf("expansion lacks the core table (%d) or fanin_flush after it (%d)", core, fanin)
 	}
