@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -427,4 +428,42 @@ func terminateLockSession(t *testing.T, s *testSchema) {
 	      AND application_name LIKE 'pepsi-dispatch %'`); n != 1 {
 		t.Fatalf("terminated %d lock sessions, want 1", n)
 	}
+}
+
+// TestStatsRowHeldClaimsGoOn: another transaction holds the dispatch_stats row (an operator's
+// UPDATE left open, a schema upgrade's ALTER waiting behind something). The statistics write,
+// which runs on the coordinator's loop every STATS_INTERVAL, gives up at once and keeps its
+// figures, so messages go on flowing; once the row is let go, the figures are written, none
+// lost.
+func TestStatsRowHeldClaimsGoOn(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	s.exec(t, `INSERT INTO dispatch_stats (id) VALUES (1) ON CONFLICT DO NOTHING`)
+	holder, err := s.DB.Begin()
+	if err != nil {
+		t.Fatalf("begin the lock holder: %v", err)
+	}
+	defer holder.Rollback()
+	if _, err := holder.Exec(`UPDATE dispatch_stats SET updated_at = updated_at WHERE id = 1`); err != nil {
+		t.Fatalf("hold the dispatch_stats row: %v", err)
+	}
+	conf := strings.Replace(baseConf(s, ""), "STATS_INTERVAL = 60", "STATS_INTERVAL = 0.2", 1) +
+		stageConf(t, "a", "", "PARALLELISM = 2\nQUEUE_LIMIT = 16")
+	d := startDaemon(t, conf, "pipeline")
+	d.waitLog("dispatching", 30*time.Second)
+	const batches, per = 5, 40
+	for i := 0; i < batches; i++ {
+		enqueue(t, s, "a", per, `{}`)
+		waitFor(t, 2*time.Second, fmt.Sprintf("batch %d of %d done while the statistics row is held", i+1, batches), func() bool {
+			return countStatus(t, s, "done") == (i+1)*per
+		})
+	}
+	d.waitLog("statistics not flushed; kept for the next flush", time.Second)
+	if err := holder.Rollback(); err != nil {
+		t.Fatalf("let the row go: %v", err)
+	}
+	waitFor(t, 10*time.Second, "every message counted in dispatch_stats", func() bool {
+		return s.count(t, `SELECT done FROM dispatch_stats WHERE id = 1`) == batches*per
+	})
+	d.stop()
 }
