@@ -347,6 +347,9 @@ func TestStartupOrphanRowHeld(t *testing.T) {
 		v, ok := metric(t, addr, "pepsi_held_writes")
 		return ok && v == 1
 	})
+	if page := consoleOverview(t, addr); !strings.Contains(page, "<b>1</b> failure or reset write (their messages stay running)") {
+		t.Errorf("the console's overview does not show the held write:\n%s", page)
+	}
 	enqueue(t, s, "a", 5, `{}`)
 	waitFor(t, dbStatementBudget/2, "the unheld orphan and the 5 new messages done while the held orphan is held", func() bool {
 		return countStatus(t, s, "done") == 6

@@ -219,11 +219,13 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 		views[name] = v
 		return v
 	}
+	var heldWrites, heldGroups int // the dispatcher's, waiting for rows another transaction holds
 	if s := c.snap(); s != nil {
 		for _, st := range s.stages {
 			v := get(st.name)
 			v.Workers, v.InFlight, v.Held, v.Paused = st.workers, st.inflight, st.held, st.paused
 		}
+		heldWrites, heldGroups = s.held, s.faninHeld
 	}
 	counts, counted, err := c.counts.get(ctx, c.pool())
 	if err != nil {
@@ -248,11 +250,13 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 	}
 	slices.SortFunc(out, func(a, b *stageView) int { return strings.Compare(a.Name, b.Name) })
 	return "Overview", "overview", struct {
-		Stages   []*stageView
-		Statuses []string
-		Every    time.Duration
-		Counted  time.Duration // how old the counts are (console_counts.go)
-	}{out, consoleStatuses, consoleSampleEvery, time.Since(counted)}, nil
+		Stages     []*stageView
+		Statuses   []string
+		Every      time.Duration
+		Counted    time.Duration // how old the counts are (console_counts.go)
+		HeldWrites int           // pepsi_held_writes
+		HeldGroups int           // pepsi_fanin_held_groups
+	}{out, consoleStatuses, consoleSampleEvery, time.Since(counted), heldWrites, heldGroups}, nil
 }
 
 // pausedStages reads the PAUSED overlay rows (operate.md §3): a stage is paused when its

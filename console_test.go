@@ -42,6 +42,7 @@ func newConsoleHarness(t *testing.T, token string) *consoleHarness {
 	}
 	snap := &metricsSnapshot{
 		stages: []stageSnapshot{{name: "parse", workers: 2, inflight: 3}},
+		held:   1, faninHeld: 2,
 		config: []*StageConfig{{Name: "parse", Program: "/bin/<b>parse</b>", Parallelism: 2, QueueLimit: 4, MaxAttempts: 5}},
 	}
 	c, err := newConsole(func() *sql.DB { return s.DB }, func() *metricsSnapshot { return snap }, auth, slog.New(slog.NewTextHandler(io.Discard, nil)), "test")
@@ -53,6 +54,21 @@ func newConsoleHarness(t *testing.T, token string) *consoleHarness {
 	srv := httptest.NewServer(withConsoleHeaders(mux))
 	t.Cleanup(srv.Close)
 	return &consoleHarness{s: s, c: c, srv: srv}
+}
+
+// consoleOverview fetches the overview of the console a running dispatcher serves at addr.
+func consoleOverview(t *testing.T, addr string) string {
+	t.Helper()
+	resp, err := http.Get("http://" + addr + "/")
+	if err != nil {
+		t.Fatalf("GET the console's overview: %v", err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET the console's overview: %s, %v", resp.Status, err)
+	}
+	return string(b)
 }
 
 // get fetches path and returns the status and body.
@@ -111,7 +127,8 @@ func TestConsolePages(t *testing.T) {
 		want []string
 	}{
 		{"/", 200, []string{`id="stage-parse"`, `id="stage-deliver"`, `class="stage paused" id="stage-deliver"`,
-			`href="/search?stage=deliver&amp;status=failed">1<`, "workers <b>2</b>", "in flight <b>3</b>", "<svg class=\"chart\""}},
+			`href="/search?stage=deliver&amp;status=failed">1<`, "workers <b>2</b>", "in flight <b>3</b>", "<svg class=\"chart\"",
+			"<b>1</b> failure or reset write (their messages stay running); <b>2</b> fan-in groups (their parents stay waiting)"}},
 		{"/stages", 200, []string{"&lt;b&gt;parse&lt;/b&gt;", "<td>PAUSED</td>"}},
 		{"/search", 200, []string{`href="/message/1"`, `href="/message/2"`, "&lt;b&gt;relay&lt;/b&gt;"}},
 		{"/search?status=failed", 200, []string{`href="/message/2"`}},

@@ -1350,6 +1350,9 @@ func TestFaninHeldGroupsOthersWake(t *testing.T) {
 		v, ok := metric(t, addr, "pepsi_fanin_held_groups")
 		return ok && v == 2
 	})
+	if page := consoleOverview(t, addr); !strings.Contains(page, "<b>2</b> fan-in groups (their parents stay waiting)") {
+		t.Errorf("the console's overview does not show the 2 held groups:\n%s", page)
+	}
 	faninExpectJoin(t, s, ids[0], 4, 0)
 	faninExpectJoin(t, s, ids[1], 1, 0)
 	h.stillWaiting(t, s)
@@ -1363,6 +1366,9 @@ func TestFaninHeldGroupsOthersWake(t *testing.T) {
 		v, ok := metric(t, addr, "pepsi_fanin_held_groups")
 		return ok && v == 0
 	})
+	if page := consoleOverview(t, addr); strings.Contains(page, `id="held"`) {
+		t.Errorf("the console's overview still shows held rows:\n%s", page)
+	}
 	faninCheckQuiescent(t, s)
 	d.stop()
 }
