@@ -1197,22 +1197,6 @@ func faninHandGroup(t *testing.T, s *testSchema, n int, children int) (parent, f
 	return parent, fid
 }
 
-// faninHold locks the rows that lock selects (a SELECT … FOR UPDATE) in an open transaction,
-// as an operator's UPDATE left open in psql would, and returns its rollback.
-func faninHold(t *testing.T, s *testSchema, lock string, args ...any) (rollback func()) {
-	t.Helper()
-	tx, err := s.DB.Begin()
-	if err != nil {
-		t.Fatalf("begin the lock holder: %v", err)
-	}
-	var n int
-	if err := tx.QueryRow(`SELECT count(*) FROM (`+lock+`) x`, args...).Scan(&n); err != nil || n != 1 {
-		tx.Rollback()
-		t.Fatalf("hold %q: %d rows, %v", lock, n, err)
-	}
-	return func() { tx.Rollback() }
-}
-
 // faninPlainDone enqueues n messages at join that belong to no group (the continuation runs them
 // as such) and waits, up to timeout, until they are done.
 func faninPlainDone(t *testing.T, s *testSchema, n int, timeout time.Duration) {
@@ -1249,7 +1233,6 @@ func faninHeldGroups(t *testing.T, s *testSchema, children int) (heldGroups, *da
 	letGoA := faninHold(t, s, `SELECT 1 FROM workqueue WHERE workqueue_id = $1 FOR UPDATE`, h.parents[0])
 	letGoB := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidB)
 	h.letGo = func() { letGoA(); letGoB() }
-	t.Cleanup(h.letGo)
 	addr := freePort(t)
 	d := faninStart(t, faninConf(t, s, "METRICS_LISTEN = "+addr, ""), "fanin")
 	d.waitLog("dispatching", dbStatementBudget)

@@ -257,6 +257,33 @@ func faninWriteUnseen(t testing.TB, s *testSchema, id int64, status string) {
 	}
 }
 
+// faninBreakEvidence makes the evidence of running child id's group inconsistent: a done write
+// escapes the trigger, then its inverse does not, so applying the inbox would take done_n to -1
+// (a tripwire: the flush quarantines the group).
+func faninBreakEvidence(t testing.TB, s *testSchema, id int64) {
+	t.Helper()
+	faninWriteUnseen(t, s, id, "done")
+	s.exec(t, `UPDATE workqueue SET status = 'pending' WHERE workqueue_id = $1`, id)
+}
+
+// faninHold locks the one row that lock selects (a SELECT … FOR UPDATE) in an open transaction,
+// as an operator's UPDATE left open in psql would, and returns its rollback (also run at the
+// end of the test, so a test that stops early does not leave the lock behind).
+func faninHold(t *testing.T, s *testSchema, lock string, args ...any) (rollback func()) {
+	t.Helper()
+	tx, err := s.DB.Begin()
+	if err != nil {
+		t.Fatalf("begin the lock holder: %v", err)
+	}
+	var n int
+	if err := tx.QueryRow(`SELECT count(*) FROM (`+lock+`) x`, args...).Scan(&n); err != nil || n != 1 {
+		tx.Rollback()
+		t.Fatalf("hold %q: %d rows, %v", lock, n, err)
+	}
+	t.Cleanup(func() { tx.Rollback() })
+	return func() { tx.Rollback() }
+}
+
 // faninClaim plays the dispatcher's claim of pending rows.
 func faninClaim(t testing.TB, s *testSchema, ids []int64) {
 	t.Helper()
@@ -1612,19 +1639,8 @@ func TestFaninFlushPassesHeldGroups(t *testing.T) {
 	}
 	faninFinish(t, s, kidsB, "done")
 	faninFinish(t, s, kidsC, "done")
-	hold := func(lock string, id int64) *sql.Tx {
-		tx, err := s.DB.Begin()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { tx.Rollback() })
-		if _, err := tx.Exec(lock, id); err != nil {
-			t.Fatalf("hold %d: %v", id, err)
-		}
-		return tx
-	}
-	holdA := hold(`SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidA)
-	holdC := hold(`UPDATE workqueue SET priority = priority WHERE workqueue_id = $1`, parentC)
+	letGoA := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidA)
+	letGoC := faninHold(t, s, `SELECT 1 FROM workqueue WHERE workqueue_id = $1 FOR UPDATE`, parentC)
 	flush := func(batch int) faninFlushResult {
 		t.Helper()
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -1652,9 +1668,7 @@ func TestFaninFlushPassesHeldGroups(t *testing.T) {
 		t.Fatalf("group B is %s with %d done, want fired with 2", state, done)
 	}
 
-	if err := holdA.Rollback(); err != nil {
-		t.Fatal(err)
-	}
+	letGoA()
 	r = flush(2)
 	if r.Events != 2 || r.Held != 0 || r.GroupsFired != 0 {
 		t.Fatalf("flush after A let go: %+v; want A's first two events applied (C's is past the batch)", r)
@@ -1663,9 +1677,7 @@ func TestFaninFlushPassesHeldGroups(t *testing.T) {
 	if r.Events != 1 || r.Held != 1 || r.GroupsFired != 1 {
 		t.Fatalf("next flush with C held: %+v; want A's last event applied and A fired, C held", r)
 	}
-	if err := holdC.Rollback(); err != nil {
-		t.Fatal(err)
-	}
+	letGoC()
 	r = flush(2)
 	if r.Events != 1 || r.Held != 0 || !slices.Equal(r.Woken, []int64{parentC}) {
 		t.Fatalf("flush after C let go: %+v; want C's event applied and its parent woken", r)
@@ -1689,18 +1701,11 @@ func TestFaninFlushHeldAndQuarantined(t *testing.T) {
 	pb, _, kb := faninNewGroup(t, s, 2)
 	pc, fc, kc := faninNewGroup(t, s, 2)
 	faninClaim(t, s, slices.Concat(ka, kb, kc))
-	faninWriteUnseen(t, s, ka[0], "done")
-	s.exec(t, `UPDATE workqueue SET status = 'pending' WHERE workqueue_id = $1`, ka[0]) // A: -1
+	faninBreakEvidence(t, s, ka[0])
 	faninFinish(t, s, kb, "done")
 	faninFinish(t, s, kc, "done")
-	holder, err := s.DB.Begin()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer holder.Rollback()
-	if _, err := holder.Exec(`UPDATE workqueue SET priority = priority WHERE workqueue_id = $1`, pc); err != nil {
-		t.Fatal(err)
-	}
+	letGo := faninHold(t, s, `SELECT 1 FROM workqueue WHERE workqueue_id = $1 FOR UPDATE`, pc)
+	defer letGo()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	r, err := faninFlush(ctx, s.DB, 10000)
@@ -1713,9 +1718,7 @@ func TestFaninFlushHeldAndQuarantined(t *testing.T) {
 	if n := s.count(t, `SELECT count(*) FROM fanin_event WHERE fanout_id = $1`, fc); n != 1 {
 		t.Fatalf("%d inbox rows of the held group, want its 1", n)
 	}
-	if err := holder.Rollback(); err != nil {
-		t.Fatal(err)
-	}
+	letGo()
 	if r := faninFlushAll(t, s, 10000); !slices.Equal(r.Woken, []int64{pc}) || r.Held != 0 {
 		t.Fatalf("flush after the holder let go: %+v, want %d woken", r, pc)
 	}
@@ -1731,13 +1734,12 @@ func TestFaninFlushHeldAndQuarantined(t *testing.T) {
 // groups of its batch, drops the bad group's events, queues it; the sweep recounts it.
 func TestFaninQuarantine(t *testing.T) {
 	s := newTestSchema(t)
-	// Group A: a done write escaped the trigger, then its inverse did not: done_n would go -1.
+	// Group A: its evidence trips the counter's guard (faninBreakEvidence).
 	pa, fa, ka := faninNewGroup(t, s, 3)
 	// Group B: healthy, completes in the same batch.
 	pb, fb, kb := faninNewGroup(t, s, 2)
 	faninClaim(t, s, append(slices.Clone(ka), kb...))
-	faninWriteUnseen(t, s, ka[0], "done")
-	s.exec(t, `UPDATE workqueue SET status = 'pending' WHERE workqueue_id = $1`, ka[0]) // -1
+	faninBreakEvidence(t, s, ka[0])
 	faninFinish(t, s, kb, "done")
 	r := faninFlushAll(t, s, 10000)
 	if r.Quarantined != 1 || !slices.Equal(r.QuarantinedIDs, []int64{fa}) {
