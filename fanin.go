@@ -220,7 +220,7 @@ type faninFlushed struct {
 // tens of microseconds on the flush goroutine per flush (tens of flushes per 20,000
 // children), never on the coordinator's.
 const flushSQL = `SELECT events, groups_fired, parents_woken, late_events, quarantined, held, open_ids, open_remaining
-                    FROM fanin_flush($1)`
+                    FROM fanin_flush($1, $2)`
 
 // startFlush runs a flush in the background, on a connection of the pool, and returns at
 // once: the coordinator goes on claiming and reading replies while PostgreSQL applies the
@@ -235,21 +235,26 @@ func (c *coordinator) startFlush() {
 	f.hints = 0
 	f.inbox = false
 	clear(f.hinted)
-	c.inBackground(func() event { return f.runFlush(c.ctx, c.db) })
+	lockFirst := f.heldGroups > 0
+	c.inBackground(func() event { return f.runFlush(c.ctx, c.db, lockFirst) })
 }
 
 // runFlush applies the inbox until it is empty (or a batch comes back short). It reads only
 // the settings fixed when f was made (batch, the fail hook), so it may run on the flush goroutine
-// while the coordinator changes the rest of f.
-func (f *fanin) runFlush(ctx context.Context, db *sql.DB) faninFlushed {
+// while the coordinator changes the rest of f. lockFirst (the last flush passed groups over)
+// has the first statement lock its rows before applying them, and so each statement after
+// one that passed groups over: a group held for long would otherwise cost every flush the
+// 100 ms fanin_flush waits for a row before passing it over.
+func (f *fanin) runFlush(ctx context.Context, db *sql.DB, lockFirst bool) faninFlushed {
 	start := time.Now()
 	var ev faninFlushed
 	for {
 		var r flushResult
-		if ev.err = f.flushOnce(ctx, db, &r); ev.err != nil {
+		if ev.err = f.flushOnce(ctx, db, lockFirst, &r); ev.err != nil {
 			break
 		}
 		ev.results = append(ev.results, r)
+		lockFirst = r.held > 0
 		if r.events < f.batch {
 			break
 		}
@@ -333,7 +338,7 @@ func (c *coordinator) onHeldGroups(held int) {
 
 // flushOnce runs one fanin_flush statement on a connection of db (see runFlush: fixed
 // settings and the fail hook only).
-func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, r *flushResult) error {
+func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, lockFirst bool, r *flushResult) error {
 	ctx, cancel := context.WithTimeout(ctx, dbStatementBudget)
 	defer cancel()
 	tx, err := db.BeginTx(ctx, nil)
@@ -341,7 +346,7 @@ func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, r *flushResult) error
 		return fmt.Errorf("fan-in flush: begin: %w", err)
 	}
 	defer tx.Rollback() // a no-op after Commit; the error of a rollback after a failure adds nothing
-	if err := tx.QueryRowContext(ctx, flushSQL, f.batch).Scan(&r.events, &r.groupsFired, &r.woken,
+	if err := tx.QueryRowContext(ctx, flushSQL, f.batch, lockFirst).Scan(&r.events, &r.groupsFired, &r.woken,
 		&r.late, &r.quarantined, &r.held, pq.Array(&r.openIDs), pq.Array(&r.openRemaining)); err != nil {
 		return fmt.Errorf("fan-in flush: %w", err)
 	}

@@ -715,17 +715,21 @@ END $$;
 -- refill is set aside too), so a group held for long, whose events pile up at the head of the
 -- inbox, never fills the batch. Locking first on every flush cost 14 % more time per flush
 -- (faninbench: 6.4 against 5.6 ms, 1,750 events each); the timeout costs nothing until a row
--- is held.
+-- is held. p_lock_first takes the batch with its rows locked first at once: the dispatcher
+-- asks for it while its last flush passed groups over, so a group held for minutes costs each
+-- flush the locking, not a 100 ms wait (TestFaninFlushLockFirst).
 -- Quarantine: the batch runs in a subtransaction. If a tripwire fires (check_violation: a
 -- counter would leave [0, expected_n]; unique_violation: a group would fire twice), the batch
 -- is re-applied one group at a time, each in its own subtransaction; a group that trips again
 -- has its events of this batch deleted unapplied and a fanin_quarantine row, and the next
 -- fanin_sweep recounts it from the children rows. One corrupt group never stops the others
 -- (and a group held meanwhile is passed over there too).
--- The result gained held: an earlier version of the function is dropped first (a dispatcher
--- of that version names the columns it reads, so it goes on working over this one).
+-- The result gained held, and then the function p_lock_first: the earlier versions are dropped
+-- first (a dispatcher of one names the columns it reads and passes the batch alone, so it goes
+-- on working over this one).
 DROP FUNCTION IF EXISTS fanin_flush(int);
-CREATE FUNCTION fanin_flush(p_batch int DEFAULT 10000,
+DROP FUNCTION IF EXISTS fanin_flush(int, boolean);
+CREATE FUNCTION fanin_flush(p_batch int DEFAULT 10000, p_lock_first boolean DEFAULT false,
     OUT events int, OUT groups_updated int, OUT groups_fired int, OUT parents_woken int,
     OUT late_events int, OUT quarantined int, OUT woken bigint[], OUT open_ids bigint[],
     OUT open_remaining int[], OUT quarantined_ids bigint[], OUT held int)
@@ -749,13 +753,17 @@ BEGIN
     IF cardinality(batch) = 0 THEN
         RETURN;
     END IF;
-    BEGIN
-        SELECT * INTO r FROM fanin_apply(batch);
-    EXCEPTION
-        -- Rolled back to the start of the block: the batch is in the inbox again.
-        WHEN lock_not_available THEN waited := true;
-        WHEN check_violation OR unique_violation THEN tripped := true;
-    END;
+    IF p_lock_first THEN
+        waited := true;
+    ELSE
+        BEGIN
+            SELECT * INTO r FROM fanin_apply(batch);
+        EXCEPTION
+            -- Rolled back to the start of the block: the batch is in the inbox again.
+            WHEN lock_not_available THEN waited := true;
+            WHEN check_violation OR unique_violation THEN tripped := true;
+        END;
+    END IF;
     IF waited THEN
         passed := fanin_pass_held(batch);
         IF cardinality(passed) > 0 THEN

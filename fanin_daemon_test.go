@@ -460,7 +460,7 @@ func TestFaninDaemonFlushFails(t *testing.T) {
 	s := faninSetup(t)
 	d := faninStart(t, faninConf(t, s, "", "PARALLELISM = 2\nQUEUE_LIMIT = 8"), "fanin")
 	faninWarmUp(t, s)
-	s.exec(t, `ALTER FUNCTION fanin_flush(int) RENAME TO fanin_flush_away`)
+	s.exec(t, `ALTER FUNCTION fanin_flush(int, boolean) RENAME TO fanin_flush_away`)
 	ids := faninParents(t, s, `{"n": 3}`)
 	waitFor(t, 30*time.Second, "the three children done", func() bool {
 		return s.count(t, `SELECT count(*) FROM workqueue w JOIN fanout f USING (fanout_id)
@@ -478,7 +478,7 @@ func TestFaninDaemonFlushFails(t *testing.T) {
 	if n := s.count(t, `SELECT count(*) FROM fanin_event`); n == 0 {
 		t.Fatal("the inbox is empty while the flush fails")
 	}
-	s.exec(t, `ALTER FUNCTION fanin_flush_away(int) RENAME TO fanin_flush`)
+	s.exec(t, `ALTER FUNCTION fanin_flush_away(int, boolean) RENAME TO fanin_flush`)
 	faninWaitJoined(t, s, ids, 30*time.Second)
 	d.waitLog("fan-in flush works again", 30*time.Second)
 	faninExpectJoin(t, s, ids[0], 3, 0)
@@ -838,7 +838,7 @@ func TestFaninFailpointShape(t *testing.T) {
 		}
 		s.exec(t, `DELETE FROM fanin_wake_log`)
 		parent := complete(3)
-		ev := f.runFlush(ctx, s.DB)
+		ev := f.runFlush(ctx, s.DB, false)
 		if ev.err != nil || len(ev.results) != 1 || ev.results[0].woken != 1 {
 			t.Fatalf("hooked=%v: flush %+v, want one statement waking one parent", hooked, ev)
 		}
@@ -846,7 +846,7 @@ func TestFaninFailpointShape(t *testing.T) {
 			t.Errorf("hooked=%v: after the flush the parent is %s with %d inbox rows, want pending and 0", hooked, st, inbox())
 		}
 		orphan := lost()
-		f.runFlush(ctx, s.DB)
+		f.runFlush(ctx, s.DB, false)
 		r, err := f.sweepOnce(ctx, s.DB, 0, 500, 0)
 		if err != nil || r.repaired != 1 || r.woken != 1 {
 			t.Fatalf("hooked=%v: sweep %+v, %v: want one group repaired and its parent woken", hooked, r, err)
@@ -1335,6 +1335,22 @@ func TestFaninHeldGroupsOthersWake(t *testing.T) {
 	})
 	if page := consoleOverview(t, addr); !strings.Contains(page, "<b>2</b> fan-in groups (their parents stay waiting)") {
 		t.Errorf("the console's overview does not show the 2 held groups:\n%s", page)
+	}
+	// While the groups stay held, each flush locks its rows first (the last one passed groups
+	// over) instead of waiting fanin_flush's 100 ms lock_timeout for them again.
+	flushes := func() (n, secs float64) {
+		n, _ = metric(t, addr, "pepsi_fanin_flushes_total")
+		secs, _ = metric(t, addr, "pepsi_fanin_flush_seconds_total")
+		return n, secs
+	}
+	n0, secs0 := flushes()
+	var n1, secs1 float64
+	waitFor(t, 30*time.Second, "3 more flushes while the groups are held", func() bool {
+		n1, secs1 = flushes()
+		return n1 >= n0+3
+	})
+	if per := (secs1 - secs0) / (n1 - n0); per >= 0.1 {
+		t.Errorf("flushes while the groups stay held took %.3f s each: they waited for the held rows", per)
 	}
 	faninExpectJoin(t, s, ids[0], 4, 0)
 	faninExpectJoin(t, s, ids[1], 1, 0)

@@ -61,14 +61,19 @@ func (r *faninFlushResult) add(o faninFlushResult) {
 
 // faninFlush runs one fanin_flush(batch).
 func faninFlush(ctx context.Context, q faninQuerier, batch int) (faninFlushResult, error) {
+	return faninFlushMode(ctx, q, batch, false)
+}
+
+// faninFlushMode runs one fanin_flush(batch, lockFirst).
+func faninFlushMode(ctx context.Context, q faninQuerier, batch int, lockFirst bool) (faninFlushResult, error) {
 	var r faninFlushResult
 	err := q.QueryRowContext(ctx, `SELECT events, groups_updated, groups_fired, parents_woken,
 	        late_events, quarantined, woken, open_ids, open_remaining, quarantined_ids, held
-	   FROM fanin_flush($1)`, batch).Scan(&r.Events, &r.GroupsUpdated, &r.GroupsFired,
+	   FROM fanin_flush($1, $2)`, batch, lockFirst).Scan(&r.Events, &r.GroupsUpdated, &r.GroupsFired,
 		&r.ParentsWoken, &r.LateEvents, &r.Quarantined, pq.Array(&r.Woken), pq.Array(&r.OpenIDs),
 		pq.Array(&r.OpenRemaining), pq.Array(&r.QuarantinedIDs), &r.Held)
 	if err != nil {
-		return r, fmt.Errorf("fanin_flush(%d): %w", batch, err)
+		return r, fmt.Errorf("fanin_flush(%d, %t): %w", batch, lockFirst, err)
 	}
 	return r, nil
 }
@@ -1683,6 +1688,71 @@ func TestFaninFlushPassesHeldGroups(t *testing.T) {
 		t.Fatalf("flush after C let go: %+v; want C's event applied and its parent woken", r)
 	}
 	if r := flush(2); r.Events != 0 || r.Held != 0 {
+		t.Fatalf("a re-flush did something: %+v", r)
+	}
+	if n := s.count(t, `SELECT count(*) FROM fanin_wake_log`); n != 3 {
+		t.Errorf("%d wake-log rows, want 3", n)
+	}
+	checkFaninInvariants(t, s)
+}
+
+// TestFaninFlushLockFirst: fanin_flush(batch, true), what the dispatcher asks for while its last
+// flush passed groups over, applies the same batch as the default but locks its rows first:
+// it passes the held groups over without the 100 ms the default waits for a held row (a group
+// held for minutes cost every flush that wait before), and with nothing held it applies the
+// whole batch as the default does.
+func TestFaninFlushLockFirst(t *testing.T) {
+	s := newTestSchema(t)
+	_, fidA, kidsA := faninClaimedGroup(t, s, 2)
+	parentB, _, kidsB := faninClaimedGroup(t, s, 2)
+	parentC, fidC, kidsC := faninClaimedGroup(t, s, 2)
+	faninFinish(t, s, kidsA[:1], "done")
+	faninFinish(t, s, kidsB, "done")
+	faninFinish(t, s, kidsC[:1], "done")
+	letGoA := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidA)
+	flush := func(lockFirst bool) (faninFlushResult, time.Duration) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		start := time.Now()
+		r, err := faninFlushMode(ctx, s.DB, 100, lockFirst)
+		if err != nil {
+			t.Fatalf("a flush (lock first %t) with A held: %v", lockFirst, err)
+		}
+		return r, time.Since(start)
+	}
+
+	// The default waits its lock_timeout for A's row once, then passes A over: the wait this
+	// test's lock-first flush must not have.
+	r, took := flush(false)
+	if r.Held != 1 || !slices.Equal(r.Woken, []int64{parentB}) {
+		t.Fatalf("default flush with A held: %+v; want B woken, A held", r)
+	}
+	if took < 100*time.Millisecond {
+		t.Fatalf("the default flush took %v with a row held; its lock_timeout is 100ms (the test's premise)", took)
+	}
+	faninFinish(t, s, kidsA[1:], "done")
+	faninFinish(t, s, kidsC[1:], "done")
+	r, took = flush(true)
+	if r.Held != 1 || r.Events != 1 || !slices.Equal(r.Woken, []int64{parentC}) {
+		t.Fatalf("lock-first flush with A held: %+v; want C's event applied and C woken, A held", r)
+	}
+	if took >= 100*time.Millisecond {
+		t.Errorf("the lock-first flush took %v: it waited for A's held row", took)
+	}
+	if n := s.count(t, `SELECT count(*) FROM fanin_event WHERE fanout_id = $1`, fidA); n != 2 {
+		t.Fatalf("%d inbox rows of held A, want 2", n)
+	}
+	if state, _, done, _ := faninGroup(t, s, fidC); state != "fired" || done != 2 {
+		t.Fatalf("group C is %s with %d done, want fired with 2", state, done)
+	}
+
+	letGoA()
+	r, _ = flush(true)
+	if r.Held != 0 || r.Events != 2 || r.GroupsFired != 1 {
+		t.Fatalf("lock-first flush after A let go: %+v; want A's two events applied and A fired", r)
+	}
+	if r, _ := flush(true); r.Events != 0 || r.Held != 0 {
 		t.Fatalf("a re-flush did something: %+v", r)
 	}
 	if n := s.count(t, `SELECT count(*) FROM fanin_wake_log`); n != 3 {
