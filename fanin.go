@@ -384,15 +384,15 @@ func (c *coordinator) faninStartup() {
 
 // faninReadied is the event the start's fire_ready sends back to the coordinator.
 type faninReadied struct {
-	fired, woken int
-	err          error
+	fired, woken, held int
+	err                error
 }
 
 // startFireReady runs fanin_fire_ready in the background, on a connection of the pool, within
-// one statement budget: it fires every complete open group with no unapplied events, and a
-// row it needs that another transaction holds makes it wait. The flushes go on meanwhile: a
-// group it fires has no events, so no flush touches it, and the wake log's key forbids a
-// second fire whatever the order.
+// one statement budget: it fires every complete open group with no unapplied events, and
+// passes over the groups a row of which another transaction holds (held). The flushes go on
+// meanwhile: a group it fires has no events, so no flush touches it, and the wake log's key
+// forbids a second fire whatever the order.
 func (c *coordinator) startFireReady() {
 	f := c.fanin
 	f.ready = readyRunning
@@ -401,17 +401,18 @@ func (c *coordinator) startFireReady() {
 		ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
 		defer cancel()
 		var ev faninReadied
-		if err := c.db.QueryRowContext(ctx, `SELECT groups_fired, parents_woken FROM fanin_fire_ready()`).
-			Scan(&ev.fired, &ev.woken); err != nil {
+		if err := c.db.QueryRowContext(ctx, `SELECT groups_fired, parents_woken, held FROM fanin_fire_ready()`).
+			Scan(&ev.fired, &ev.woken, &ev.held); err != nil {
 			ev.err = fmt.Errorf("fan-in: fire ready groups: %w", err)
 		}
 		return ev
 	})
 }
 
-// onReadied takes the start's fire_ready into the coordinator's state. A failure is tried
-// again heldRetryGap later (the inbox was emptied once, which is all the order asks): a held
-// row, its usual cause, has already cost it a budget, and another error must not make it spin.
+// onReadied takes the start's fire_ready into the coordinator's state. A failure, or groups
+// passed over because another transaction holds a row of theirs, is tried again heldRetryGap
+// later (the inbox was emptied once, which is all the order asks; another error must not make
+// it spin).
 func (c *coordinator) onReadied(ev faninReadied) {
 	f := c.fanin
 	if ev.err != nil {
@@ -422,7 +423,6 @@ func (c *coordinator) onReadied(ev faninReadied) {
 		}
 		return
 	}
-	f.ready = readyDone
 	f.stats.Wakes += int64(ev.woken)
 	if ev.fired > 0 {
 		c.log.Info("fan-in: complete groups fired at start-up", "groups", ev.fired, "parents_woken", ev.woken)
@@ -430,6 +430,15 @@ func (c *coordinator) onReadied(ev faninReadied) {
 	if ev.woken > 0 {
 		c.claimWanted = true // the woken parents are pending at their continuation stage
 	}
+	if ev.held > 0 {
+		f.ready, f.readyAt = readyDue, time.Now().Add(heldRetryGap)
+		if f.readyFails++; f.readyFails == 1 || isPowerOfTen(f.readyFails) {
+			c.log.Warn("fan-in: complete groups passed over at start-up, another transaction holds a row they write (a waiting parent, a fanout row); tried again",
+				"groups", ev.held, "tries", f.readyFails, "retry_in", heldRetryGap)
+		}
+		return
+	}
+	f.ready = readyDone
 }
 
 // sweepResult is one fanin_sweep call's result.

@@ -859,11 +859,45 @@ END $$;
 -- fanin_fire_ready fires every open group that is already complete and has no unapplied
 -- events: at start-up (after the flushes have emptied the inbox) and whenever the
 -- coordinator wants a safety pass. fanin_sweep does it for the groups of its page.
-CREATE OR REPLACE FUNCTION fanin_fire_ready(
-    OUT groups_fired int, OUT parents_woken int, OUT woken bigint[])
-LANGUAGE sql SET search_path FROM CURRENT AS $$
-    SELECT * FROM fanin_fire(NULL);
-$$;
+-- Held rows: it fires all such groups in one statement, so a row another transaction held (a
+-- waiting parent's, a group's fanout row) made it wait, and every other ready group with it,
+-- for as long as the holder stayed (TestFaninStartupReadyGroupsHeld). So it locks the rows
+-- it writes first, SKIP LOCKED (each ready group's fanout row, then its parent's workqueue
+-- row), fires the groups whose rows it got and returns how many it passed over (held); the
+-- dispatcher calls it again a second later while held > 0.
+-- The result gained held: the earlier version is dropped first.
+DROP FUNCTION IF EXISTS fanin_fire_ready();
+CREATE FUNCTION fanin_fire_ready(
+    OUT groups_fired int, OUT parents_woken int, OUT woken bigint[], OUT held int)
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
+DECLARE
+    ready   bigint[];
+    locked  bigint[];
+    parents bigint[];
+    got     bigint[];
+BEGIN
+    ready := ARRAY(SELECT f.fanout_id FROM fanout f
+                    WHERE f.state = 'open' AND f.done_n + f.failed_n = f.expected_n
+                      AND NOT EXISTS (SELECT 1 FROM fanin_event e WHERE e.fanout_id = f.fanout_id)
+                      AND NOT EXISTS (SELECT 1 FROM fanin_wake_log l WHERE l.fanout_id = f.fanout_id));
+    locked := ARRAY(SELECT fanout_id FROM fanout WHERE fanout_id = ANY (ready)
+                     ORDER BY fanout_id FOR NO KEY UPDATE SKIP LOCKED);
+    parents := ARRAY(SELECT w.workqueue_id FROM workqueue w
+                      WHERE w.workqueue_id IN (SELECT parent_id FROM fanout
+                                                WHERE fanout_id = ANY (locked))
+                      ORDER BY w.workqueue_id FOR NO KEY UPDATE SKIP LOCKED);
+    -- A group whose parent row is gone fires without a wake (fanin_fire logs it unwoken).
+    got := ARRAY(SELECT f.fanout_id FROM fanout f
+                  WHERE f.fanout_id = ANY (locked)
+                    AND (f.parent_id = ANY (parents)
+                         OR NOT EXISTS (SELECT 1 FROM workqueue w WHERE w.workqueue_id = f.parent_id)));
+    held := cardinality(ready) - cardinality(got);
+    IF cardinality(got) = 0 THEN
+        groups_fired := 0; parents_woken := 0; woken := '{}';
+        RETURN;
+    END IF;
+    SELECT * INTO groups_fired, parents_woken, woken FROM fanin_fire(got);
+END $$;
 
 -- fanin_recount (internal) recomputes the counters of the open groups p_ids from ground truth:
 -- done_n = count(children done) - unapplied done deltas, failed_n likewise. The children are

@@ -1761,6 +1761,43 @@ func TestFaninFlushLockFirst(t *testing.T) {
 	checkFaninInvariants(t, s)
 }
 
+// TestFaninFireReadyPassesHeld: fanin_fire_ready fires the complete groups whose rows it can
+// lock and passes over, and counts, those of which another transaction holds a row (A's fanout
+// row, B's parent), without waiting for them; once let go, a second call fires them, each once.
+func TestFaninFireReadyPassesHeld(t *testing.T) {
+	s := newTestSchema(t)
+	_, fidA := faninHandGroup(t, s, 2, handApplied)
+	parentB, _ := faninHandGroup(t, s, 3, handApplied)
+	parentC, _ := faninHandGroup(t, s, 1, handApplied)
+	letGoA := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidA)
+	letGoB := faninHold(t, s, `SELECT 1 FROM workqueue WHERE workqueue_id = $1 FOR UPDATE`, parentB)
+	fire := func() (fired, held int, woken []int64) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := s.DB.QueryRowContext(ctx, `SELECT groups_fired, held, woken FROM fanin_fire_ready()`).
+			Scan(&fired, &held, pq.Array(&woken)); err != nil {
+			t.Fatalf("fanin_fire_ready with rows held: %v", err)
+		}
+		return fired, held, woken
+	}
+	if fired, held, woken := fire(); fired != 1 || held != 2 || !slices.Equal(woken, []int64{parentC}) {
+		t.Fatalf("fire_ready with A and B held: %d fired, %d held, woken %v; want C alone fired and woken, 2 held", fired, held, woken)
+	}
+	letGoA()
+	letGoB()
+	if fired, held, _ := fire(); fired != 2 || held != 0 {
+		t.Fatalf("fire_ready after the rows were let go: %d fired, %d held; want A and B fired", fired, held)
+	}
+	if fired, held, _ := fire(); fired != 0 || held != 0 {
+		t.Fatalf("a third fire_ready: %d fired, %d held; want nothing", fired, held)
+	}
+	if n := s.count(t, `SELECT count(*) FROM fanin_wake_log`); n != 3 {
+		t.Errorf("%d wake-log rows, want 3", n)
+	}
+	checkFaninInvariants(t, s)
+}
+
 // TestFaninFlushHeldAndQuarantined: one batch has a group whose evidence trips a guard, a
 // healthy group, and a group the batch completes whose parent's row another transaction holds.
 // Whichever the flush meets first, the corrupt group is quarantined, the healthy one fired,
