@@ -95,7 +95,7 @@ type fanin struct {
 	sweeping    bool           // a page of the sweep is running in the background
 	ready       readyStep      // the start's fire_ready: owed, due, running or done
 	readyAt     time.Time      // readyDue: not before then (zero: at once)
-	readyFails  int            // its consecutive failures, for the log
+	readyFails  int            // its failed tries and those that passed held groups over, for the log
 	sweepSoon   bool           // the sweep's timer came due meanwhile: the next page at once
 	failures    int            // consecutive failed flushes, for the log
 	heldGroups  int            // groups the last flush passed over (held), for /metrics

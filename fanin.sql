@@ -735,14 +735,14 @@ CREATE FUNCTION fanin_flush(p_batch int DEFAULT 10000, p_lock_first boolean DEFA
     OUT open_remaining int[], OUT quarantined_ids bigint[], OUT held int)
 LANGUAGE plpgsql SET search_path FROM CURRENT SET lock_timeout = '100ms' AS $$
 DECLARE
-    batch   bigint[];
-    passed  bigint[];
-    more    bigint[];
-    waited  boolean := false;
-    tripped boolean := false;
-    r       record;
-    g       record;
-    msg     text;
+    batch      bigint[];
+    passed     bigint[];
+    more       bigint[];
+    lock_first boolean := p_lock_first;  -- asked for, or a row stayed held past lock_timeout
+    tripped    boolean := false;
+    r          record;
+    g          record;
+    msg        text;
 BEGIN
     quarantined := 0;
     quarantined_ids := '{}';
@@ -753,18 +753,16 @@ BEGIN
     IF cardinality(batch) = 0 THEN
         RETURN;
     END IF;
-    IF p_lock_first THEN
-        waited := true;
-    ELSE
+    IF NOT lock_first THEN
         BEGIN
             SELECT * INTO r FROM fanin_apply(batch);
         EXCEPTION
             -- Rolled back to the start of the block: the batch is in the inbox again.
-            WHEN lock_not_available THEN waited := true;
+            WHEN lock_not_available THEN lock_first := true;
             WHEN check_violation OR unique_violation THEN tripped := true;
         END;
     END IF;
-    IF waited THEN
+    IF lock_first THEN
         passed := fanin_pass_held(batch);
         IF cardinality(passed) > 0 THEN
             batch := ARRAY(SELECT id FROM fanin_event WHERE NOT fanout_id = ANY (passed)

@@ -1346,8 +1346,12 @@ func TestFaninHeldGroupsOthersWake(t *testing.T) {
 	// While the groups stay held, each flush locks its rows first (the last one passed groups
 	// over) instead of waiting fanin_flush's 100 ms lock_timeout for them again.
 	flushes := func() (n, secs float64) {
-		n, _ = metric(t, addr, "pepsi_fanin_flushes_total")
-		secs, _ = metric(t, addr, "pepsi_fanin_flush_seconds_total")
+		t.Helper()
+		n, okN := metric(t, addr, "pepsi_fanin_flushes_total")
+		secs, okS := metric(t, addr, "pepsi_fanin_flush_seconds_total")
+		if !okN || !okS {
+			t.Fatalf("/metrics lacks pepsi_fanin_flushes_total (%t) or pepsi_fanin_flush_seconds_total (%t)", okN, okS)
+		}
 		return n, secs
 	}
 	n0, secs0 := flushes()

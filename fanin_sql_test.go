@@ -78,6 +78,29 @@ func faninFlushMode(ctx context.Context, q faninQuerier, batch int, lockFirst bo
 	return r, nil
 }
 
+// faninFlushBounded runs one fanin_flush(batch, lockFirst) within 5 s, failing the test on an
+// error (a flush that waits for a held row until then fails it), and says how long it took.
+func faninFlushBounded(t *testing.T, s *testSchema, batch int, lockFirst bool) (faninFlushResult, time.Duration) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	start := time.Now()
+	r, err := faninFlushMode(ctx, s.DB, batch, lockFirst)
+	if err != nil {
+		t.Fatalf("a flush (batch %d, lock first %t): %v", batch, lockFirst, err)
+	}
+	return r, time.Since(start)
+}
+
+// faninExpectFired requires n wake-log rows (each group fired once) and the fan-in invariants.
+func faninExpectFired(t *testing.T, s *testSchema, n int) {
+	t.Helper()
+	if got := s.count(t, `SELECT count(*) FROM fanin_wake_log`); got != n {
+		t.Errorf("%d wake-log rows, want %d", got, n)
+	}
+	checkFaninInvariants(t, s)
+}
+
 // faninFlushAll flushes as the coordinator does: again while a flush consumed a full batch.
 func faninFlushAll(t testing.TB, s *testSchema, batch int) faninFlushResult {
 	t.Helper()
@@ -1648,12 +1671,7 @@ func TestFaninFlushPassesHeldGroups(t *testing.T) {
 	letGoC := faninHold(t, s, `SELECT 1 FROM workqueue WHERE workqueue_id = $1 FOR UPDATE`, parentC)
 	flush := func(batch int) faninFlushResult {
 		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		r, err := faninFlush(ctx, s.DB, batch)
-		if err != nil {
-			t.Fatalf("a flush with held groups: %v", err)
-		}
+		r, _ := faninFlushBounded(t, s, batch, false)
 		return r
 	}
 
@@ -1690,10 +1708,7 @@ func TestFaninFlushPassesHeldGroups(t *testing.T) {
 	if r := flush(2); r.Events != 0 || r.Held != 0 {
 		t.Fatalf("a re-flush did something: %+v", r)
 	}
-	if n := s.count(t, `SELECT count(*) FROM fanin_wake_log`); n != 3 {
-		t.Errorf("%d wake-log rows, want 3", n)
-	}
-	checkFaninInvariants(t, s)
+	faninExpectFired(t, s, 3)
 }
 
 // TestFaninFlushLockFirst: fanin_flush(batch, true), what the dispatcher asks for while its last
@@ -1712,14 +1727,7 @@ func TestFaninFlushLockFirst(t *testing.T) {
 	letGoA := faninHold(t, s, `SELECT 1 FROM fanout WHERE fanout_id = $1 FOR UPDATE`, fidA)
 	flush := func(lockFirst bool) (faninFlushResult, time.Duration) {
 		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		start := time.Now()
-		r, err := faninFlushMode(ctx, s.DB, 100, lockFirst)
-		if err != nil {
-			t.Fatalf("a flush (lock first %t) with A held: %v", lockFirst, err)
-		}
-		return r, time.Since(start)
+		return faninFlushBounded(t, s, 100, lockFirst)
 	}
 
 	// The default waits its lock_timeout for A's row once, then passes A over: the wait this
@@ -1755,10 +1763,7 @@ func TestFaninFlushLockFirst(t *testing.T) {
 	if r, _ := flush(true); r.Events != 0 || r.Held != 0 {
 		t.Fatalf("a re-flush did something: %+v", r)
 	}
-	if n := s.count(t, `SELECT count(*) FROM fanin_wake_log`); n != 3 {
-		t.Errorf("%d wake-log rows, want 3", n)
-	}
-	checkFaninInvariants(t, s)
+	faninExpectFired(t, s, 3)
 }
 
 // TestFaninFireReadyPassesHeld: fanin_fire_ready fires the complete groups whose rows it can
@@ -1792,10 +1797,7 @@ func TestFaninFireReadyPassesHeld(t *testing.T) {
 	if fired, held, _ := fire(); fired != 0 || held != 0 {
 		t.Fatalf("a third fire_ready: %d fired, %d held; want nothing", fired, held)
 	}
-	if n := s.count(t, `SELECT count(*) FROM fanin_wake_log`); n != 3 {
-		t.Errorf("%d wake-log rows, want 3", n)
-	}
-	checkFaninInvariants(t, s)
+	faninExpectFired(t, s, 3)
 }
 
 // TestFaninFlushHeldAndQuarantined: one batch has a group whose evidence trips a guard, a
