@@ -859,3 +859,24 @@ func demoteHeadings(md string) string {
 	}
 	return strings.Join(lines, "\n") + "\n"
 }
+
+// tickBound says, for PgQ's backlog workload, how long its runs took: a backlog of W1's size
+// is consumed in a few of pgqd's ticks, so its rate moves by whole ticks between runs (0.4,
+// 0.8 or 1.2 s for the same events: a rate that halves or triples), and pepsi/PgQ with it.
+// The continuous and latency workloads are paced by their producer, not by the ticks' count.
+func (r *results) tickBound(wl string) string {
+	if wl != "W1" {
+		return ""
+	}
+	var secs []float64
+	for _, m := range r.meas {
+		if m.Workload == wl && m.System == "pgq" && m.Err == "" {
+			secs = append(secs, m.Seconds)
+		}
+	}
+	if len(secs) == 0 {
+		return ""
+	}
+	return fmt.Sprintf("; tick-bound: its runs took %s–%s s, a few of pgqd's ticks each, so its rate moves by whole ticks between runs",
+		f2(slices.Min(secs)), f2(slices.Max(secs)))
+}

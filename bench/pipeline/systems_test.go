@@ -101,3 +101,21 @@ func TestLogStmtRe(t *testing.T) {
 		t.Error("logStmtRe matched a line without a duration")
 	}
 }
+
+// TestTickBound: PgQ's W1 row names its runs' durations (whole ticks of pgqd), failed runs
+// and the other systems left out; the paced workloads get no such clause.
+func TestTickBound(t *testing.T) {
+	r := &results{meas: []measurement{
+		{Workload: "W1", System: "pgq", Run: 1, Seconds: 1.21},
+		{Workload: "W1", System: "pgq", Run: 2, Seconds: 0.404},
+		{Workload: "W1", System: "pgq", Run: 3, Seconds: 9, Err: "consumer exited"},
+		{Workload: "W1", System: "pepsi", Run: 1, Seconds: 0.1},
+		{Workload: "W2", System: "pgq", Run: 1, Seconds: 20},
+	}}
+	if got := r.tickBound("W1"); !strings.Contains(got, "its runs took 0.40–1.21 s") {
+		t.Errorf("tickBound(W1) = %q, want the runs' 0.40–1.21 s", got)
+	}
+	if got := r.tickBound("W2"); got != "" {
+		t.Errorf("tickBound(W2) = %q, want nothing: W2 is paced by its producer", got)
+	}
+}

@@ -126,8 +126,8 @@ func (b *bench) targets(w *strings.Builder) {
 				wl, f0(raw.rate), f0(best), ratio(raw.rate, best), ratio(pe.rate, raw.rate))
 		}
 		if pq := r.summary(wl, "pgq"); !math.IsNaN(pq.rate) {
-			p("| (context, not a target) %s: PgQ, batches per tick | %s transitions/s, %s CPU ms / 1k; pepsi/PgQ %s | |\n",
-				wl, f0(pq.rate), f1(pq.cpu1k), ratio(pe.rate, pq.rate))
+			p("| (context, not a target) %s: PgQ, batches per tick | %s transitions/s, %s CPU ms / 1k; pepsi/PgQ %s%s | |\n",
+				wl, f0(pq.rate), f1(pq.cpu1k), ratio(pe.rate, pq.rate), r.tickBound(wl))
 		}
 	}
 	if b.want("W3") {
