@@ -267,8 +267,9 @@ func (b *bench) want(w string) bool {
 // pepsiVariants are workloads that only pepsi runs, each a variant of the workload named: the
 // other systems' figures in its rows are those of that workload.
 var pepsiVariants = map[string]string{
-	"W4f": "W4", // stages s2 and s3 FUSE = yes
-	"W4w": "W4", // PARALLELISM = the whole worker budget on every stage (not a target)
+	"W4f":    "W4", // stages s2 and s3 FUSE = yes
+	"W4w":    "W4", // PARALLELISM = the whole worker budget on every stage (not a target)
+	w1Beside: "W4", // pepsi's W1, run just before each of its W4 runs: W4's reference
 }
 
 func (b *bench) run(ctx context.Context, outPath, svgPath string) error {

@@ -280,7 +280,7 @@ func (b *bench) report(chartPath string) string {
 	p("| workload | system | runs ok | transitions/s (min–max) | CPU ms / 1k transitions: total | main process | children | PostgreSQL | WAL bytes / transition | peak RSS main, MiB | peak RSS per worker, MiB | other load |\n")
 	p("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	var failures []string
-	for _, wl := range []string{"W1", "W2", "W4", "W4f", "W4w", "W5"} {
+	for _, wl := range []string{"W1", "W2", w1Beside, "W4", "W4f", "W4w", "W5"} {
 		if !b.want(wl) {
 			continue
 		}
@@ -570,7 +570,7 @@ func (b *bench) report(chartPath string) string {
 	p("through the partial indexes. W2 a producer ")
 	p("tops the backlog up to %s pending every 200 ms, %s warm-up, %s measured (messages finished = inserted − open); ",
 		groupThousands(fmt.Sprint(sz.w2Pending)), sz.w2Warmup, sz.w2Measure)
-	p("W3 %v/s for %v / %v; W4 %s messages through 3 stages (as many transitions as W1, so the workers' start-up, three pools instead of one, weighs the same), and %d/s for %s; W4f the same backlog through pepsi with s2 and s3 `FUSE = yes` (stage fusion: one worker pass runs the three handlers and commits one outcome; River and the raw loop have nothing alike, so W4f compares with their W4); W4w W4 again through pepsi with three times the worker processes (not a target); W5 W1 with %s messages on top of %s done ",
+	p("W3 %v/s for %v / %v; W4 %s messages through 3 stages (as many transitions as W1, so the workers' start-up, three pools instead of one, weighs the same), and %d/s for %s; W4f the same backlog through pepsi with s2 and s3 `FUSE = yes` (stage fusion: one worker pass runs the three handlers and commits one outcome; River and the raw loop have nothing alike, so W4f compares with their W4); W4w W4 again through pepsi with three times the worker processes (not a target); W1b pepsi's W1 again, run just before each of its W4 runs, the reference of W4's every-run target (W1's own runs are half an hour earlier, and the host drifts more than that target's margin); W5 W1 with %s messages on top of %s done ",
 		sz.w3Rates, sz.w3Duration[20], sz.w3Duration[200], groupThousands(fmt.Sprint(sz.w4Messages)), sz.w4Rate, sz.w4Duration,
 		groupThousands(fmt.Sprint(sz.w5Messages)), groupThousands(fmt.Sprint(sz.w5Done)))
 	p("and %s failed rows (River: completed and discarded jobs; Graphile Worker, which deletes completed jobs and keeps failed ones: as many permanently failed jobs); W6 %s idle. A backlog run longer than %s is cut: its ",

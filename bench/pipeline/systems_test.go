@@ -119,3 +119,41 @@ func TestTickBound(t *testing.T) {
 		t.Errorf("tickBound(W2) = %q, want nothing: W2 is paced by its producer", got)
 	}
 }
+
+// TestW4TargetBeside: each W4 run is judged against the W1b run of its round, not against
+// W1's median; a run without its W1b fails the target rather than fall back to the median.
+func TestW4TargetBeside(t *testing.T) {
+	b := &bench{}
+	w1 := func(wl string, run int, secs float64) measurement {
+		return measurement{Workload: wl, System: "pepsi", Run: run, Messages: 30000, Transitions: 30000, Seconds: secs}
+	}
+	w4 := func(run int, secs float64) measurement {
+		return measurement{Workload: "W4", System: "pepsi", Run: run, Messages: 10000, Transitions: 30000, Seconds: secs}
+	}
+	// W1's median 30,000/s; W1b 36,000/s in run 1, 24,000/s in run 2. W4: 11,000 messages/s in
+	// run 1 (above a third of the median, below a third of its W1b), 9,000 in run 2 (the
+	// other way round).
+	b.res.meas = []measurement{w1("W1", 1, 1), w1("W1", 2, 1), w1(w1Beside, 1, 30000.0/36000), w4(1, 10.0/11),
+		w1(w1Beside, 2, 30000.0/24000), w4(2, 10.0/9)}
+	var w strings.Builder
+	b.w4Targets(&w)
+	out := w.String()
+	for _, want := range []string{
+		"run 1: 11,000 against 36,000 / 3 (92 %) (below)",
+		"run 2: 9,000 against 24,000 / 3 (112 %)",
+		"run 1 110 %; run 2 90 %", // the context row, against the median
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("w4Targets lacks %q:\n%s", want, out)
+		}
+	}
+	if !strings.Contains(strings.SplitN(out, "\n", 2)[0], "**missed**") {
+		t.Errorf("run 1 is below a third of its W1b, the verdict must be missed:\n%s", out)
+	}
+	b.res.meas = append(b.res.meas[:4:4], w4(2, 10.0/9)) // run 2 without its W1b
+	w.Reset()
+	b.w4Targets(&w)
+	if out := w.String(); !strings.Contains(out, "run 2: 9,000, no W1b run beside it") {
+		t.Errorf("a W4 run without its W1b is not named:\n%s", out)
+	}
+}

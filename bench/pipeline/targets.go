@@ -163,6 +163,12 @@ func (b *bench) targets(w *strings.Builder) {
 				p("| W5: throughput ≥ 95 %% of W1's | %s vs %s = %.0f %% | %s |\n", f0(w5.rate), f0(w1.rate), 100*w5.rate/w1.rate,
 					verdict(w5.rate >= 0.95*w1.rate))
 			}
+			// W1b's runs are minutes before W5's, W1's half an hour or more: the same W1 nearer
+			// in time, for a reader who wants to see how much of the ratio is the host's drift.
+			if w1b := r.summary(w1Beside, "pepsi"); !math.IsNaN(w5.rate) && !math.IsNaN(w1b.rate) {
+				p("| (context, not a target) W5 against W1b's median (pepsi's W1 in W4's rounds, minutes before W5) | %s vs %s = %.0f %% | |\n",
+					f0(w5.rate), f0(w1b.rate), 100*w5.rate/w1b.rate)
+			}
 		}
 		ok := len(r.explain) > 0
 		var reads []string
@@ -246,8 +252,17 @@ func (b *bench) w4Targets(w *strings.Builder) {
 		return
 	}
 	third := w1.rate / 3
+	// Each W4 run against the W1b run of its round (pepsi's W1 just before it, see w4): "in
+	// every run" asks for a run's verdict, and W1's median, half an hour earlier, moves with
+	// the host's drift more than the target's margin. Against the median: context, beside it.
+	beside := map[int]float64{}
+	for _, m := range r.meas {
+		if m.Workload == w1Beside && m.System == "pepsi" && m.Err == "" && m.rate() > 0 {
+			beside[m.Run] = m.rate()
+		}
+	}
 	for _, wl := range []string{"W4", "W4f"} {
-		var runs []string
+		var runs, vsMedian []string
 		all, n := true, 0
 		for _, m := range r.meas {
 			if m.Workload != wl || m.System != "pepsi" {
@@ -259,23 +274,32 @@ func (b *bench) w4Targets(w *strings.Builder) {
 				continue
 			}
 			mr := float64(m.Messages) / m.Seconds
-			n++
-			ok := mr >= third
-			all = all && ok
-			mark := ""
+			vsMedian = append(vsMedian, fmt.Sprintf("run %d %.0f %%", m.Run, 100*mr/third))
+			ref, ok := beside[m.Run]
 			if !ok {
+				runs = append(runs, fmt.Sprintf("run %d: %s, no W1b run beside it", m.Run, f0(mr)))
+				all = false
+				continue
+			}
+			n++
+			met := mr >= ref/3
+			all = all && met
+			mark := ""
+			if !met {
 				mark = " (below)"
 			}
-			runs = append(runs, fmt.Sprintf("run %d: %s (%.0f %%)%s", m.Run, f0(mr), 100*mr/third, mark))
+			runs = append(runs, fmt.Sprintf("run %d: %s against %s / 3 (%.0f %%)%s", m.Run, f0(mr), f0(ref), 300*mr/ref, mark))
 		}
-		if n == 0 {
+		if n == 0 && len(runs) == 0 {
 			continue
 		}
-		title := "W4 (unfused): every run's 3-stage messages/s ≥ 1/3 of W1's transitions/s"
+		title := "W4 (unfused): every run's 3-stage messages/s ≥ 1/3 of the transitions/s of W1b, pepsi's W1 run just before it"
 		if wl == "W4f" {
-			title = "W4 with stage fusion (s2, s3 `FUSE = yes`): every run's messages/s ≥ 1/3 of W1's transitions/s"
+			title = "W4 with stage fusion (s2, s3 `FUSE = yes`): every run's messages/s ≥ 1/3 of the transitions/s of W1b, pepsi's W1 run just before it"
 		}
-		p("| %s | W1 median %s / 3 = %s; %s | %s |\n", title, f0(w1.rate), f0(third), strings.Join(runs, "; "), verdict(all))
+		p("| %s | %s | %s |\n", title, strings.Join(runs, "; "), verdict(all && n > 0))
+		p("| (context, not a target) %s against W1's median, measured half an hour earlier: %s / 3 = %s | %s | |\n",
+			wl, f0(w1.rate), f0(third), strings.Join(vsMedian, "; "))
 	}
 	if w4w := r.summary("W4w", "pepsi"); !math.IsNaN(w4w.msgRate) {
 		p("| (not a target) W4w, PARALLELISM %d on each of the 3 stages (%d workers, 3 × W1's): messages/s against W1's transitions/s / 3 | %s vs %s | %.0f %% |\n",
