@@ -156,4 +156,18 @@ func TestW4TargetBeside(t *testing.T) {
 	if out := w.String(); !strings.Contains(out, "run 2: 9,000, no W1b run beside it") {
 		t.Errorf("a W4 run without its W1b is not named:\n%s", out)
 	}
+
+	// -only W4: W1 did not run, W1b did (it is W4's); the verdict is still given, without the
+	// context row against W1's median.
+	b.only = map[string]bool{"W4": true}
+	b.res.meas = []measurement{w1(w1Beside, 1, 30000.0/36000), w4(1, 10.0/13)}
+	w.Reset()
+	b.targets(&w)
+	out = w.String()
+	if !strings.Contains(out, "run 1: 13,000 against 36,000 / 3 (108 %) | **met**") {
+		t.Errorf("-only W4 gives no W4 verdict:\n%s", out)
+	}
+	if strings.Contains(out, "W1's median") {
+		t.Errorf("-only W4 shows a row against W1's median, which did not run:\n%s", out)
+	}
 }
