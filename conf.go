@@ -191,7 +191,9 @@ const iniMaxLine = 64 << 10
 // that are not ours are skipped unchecked, whatever they contain: they belong to other
 // programs.
 // A section header alone is returned as an entry with an empty Key, so that empty sections
-// and their line numbers are known.
+// and their line numbers are known. pepsi-queue reads the file with internal/conffile, the
+// same rules outside this package (which imports nothing of the module); FuzzConfReaders
+// holds the two to one dialect.
 func parseINI(name string, r io.Reader) ([]iniEntry, error) {
 	var out []iniEntry
 	sc := bufio.NewScanner(r)
