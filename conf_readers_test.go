@@ -2,7 +2,7 @@ package main
 
 // The daemon's reader of pepsi.conf (parseINI) against the one pepsi-queue uses
 // (internal/conffile): the same files accepted, the same DSN and stages read from them, and a
-// rejection at the same line. The daemon's package imports nothing of the module, so the two
+// rejection at the same line; and the same durations. The daemon's package imports nothing of the module, so the two
 // are separate code; this is what keeps them one dialect.
 
 import (
@@ -96,5 +96,18 @@ func FuzzConfReaders(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, text string) {
 		compareReaders(t, text)
+	})
+}
+
+func FuzzDurations(f *testing.F) {
+	for _, s := range []string{"30", "0.5", "250ms", "5 s", "2m", "1h", "7d", "1e3ms", "-1", "NaN", "1e300d", "0x10s", "1h30m"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, v string) {
+		dd, derr := parseDuration(v)
+		td, terr := conffile.ParseDuration(v)
+		if (derr == nil) != (terr == nil) || dd != td {
+			t.Fatalf("the daemon reads %q as %v (%v), pepsi-queue as %v (%v)", v, dd, derr, td, terr)
+		}
 	})
 }

@@ -9,6 +9,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"pepsi-dispatch/internal/conffile"
 )
 
 // usageError is a mistake on the command line or in the configuration: exit status 2.
@@ -250,19 +252,15 @@ func (inv *invocation) filterText() string {
 	return ""
 }
 
-// parseDuration accepts what the daemon's configuration accepts (plain seconds or a number
-// with ms, s, m, h or d), and Go's own forms such as 1h30m.
+// parseDuration accepts Go's forms such as 1h30m and what the daemon's configuration accepts
+// (plain seconds, or a number with ms, s, m, h or d: conffile.ParseDuration).
 func parseDuration(v string) (time.Duration, error) {
 	if d, err := time.ParseDuration(v); err == nil && d >= 0 {
 		return d, nil
 	}
-	num, unit := v, time.Second
-	if strings.HasSuffix(v, "d") {
-		num, unit = strings.TrimSuffix(v, "d"), 24*time.Hour
+	d, err := conffile.ParseDuration(v)
+	if err != nil {
+		return 0, fmt.Errorf("want a duration such as 90, 30s, 10m, 2h, 7d or 1h30m, got %q", v)
 	}
-	f, err := strconv.ParseFloat(num, 64)
-	if err != nil || f < 0 || f != f || f > float64(1<<62)/float64(unit) {
-		return 0, fmt.Errorf("want a duration such as 90, 30s, 10m, 2h or 7d, got %q", v)
-	}
-	return time.Duration(f * float64(unit)), nil
+	return d, nil
 }

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 )
 
 // TestReadConf: pepsi-queue reads a file the daemon runs on, including another program's
@@ -34,5 +35,23 @@ func TestReadConf(t *testing.T) {
 	}
 	if _, err := readConf(filepath.Join(dir, "missing.conf")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("a missing file: %v, want os.ErrNotExist", err)
+	}
+}
+
+// TestParseDuration: --older takes Go's forms and every duration the daemon's configuration
+// takes, the number of the latter trimmed before its unit and written in any float syntax.
+func TestParseDuration(t *testing.T) {
+	for v, want := range map[string]time.Duration{
+		"90": 90 * time.Second, "1h30m": 90 * time.Minute, "7d": 7 * 24 * time.Hour, "0.5": 500 * time.Millisecond,
+		"5 s": 5 * time.Second, "1e3ms": time.Second, "2 d": 48 * time.Hour, "250ms": 250 * time.Millisecond,
+	} {
+		if d, err := parseDuration(v); err != nil || d != want {
+			t.Errorf("parseDuration(%q) = %v, %v; want %v", v, d, err, want)
+		}
+	}
+	for _, v := range []string{"", "soon", "-5s", "-1", "NaN", "1e300d"} {
+		if d, err := parseDuration(v); err == nil {
+			t.Errorf("parseDuration(%q) = %v, want an error", v, d)
+		}
 	}
 }

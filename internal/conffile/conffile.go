@@ -1,12 +1,12 @@
 // Package conffile reads pepsi.conf(5) for the programs beside the daemon (pepsi-queue): the
 // [database] DSN and the names of the [stage-*] sections, under the daemon's own rules of what
 // a well-formed file is, so that the operator's tool accepts exactly the files the daemon
-// accepts and reads the same DSN from them.
+// accepts and reads the same DSN from them; and the daemon's durations.
 //
 // The daemon keeps its own reader (parseINI in conf.go at the repository's root): its package
-// imports nothing of this module, so that an auditor reads it alone. conffile_test.go at the
-// root (FuzzConfReaders) holds the two to the same verdict, the same DSN, the same stages and
-// the same line in an error.
+// imports nothing of this module, so that an auditor reads it alone. conf_readers_test.go at
+// the root (FuzzConfReaders, FuzzDurations) holds the two to the same verdict, the same DSN,
+// the same stages and the same line in an error, and to the same durations.
 package conffile
 
 import (
@@ -17,6 +17,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"time"
 	"unicode"
 	"unicode/utf8"
 )
@@ -167,4 +168,25 @@ func short(s string) string {
 		cut--
 	}
 	return strconv.Quote(s[:cut]) + "…"
+}
+
+// ParseDuration is the daemon's rule for a duration in the file (conf.go's parseDuration, held
+// to it by FuzzConfReaders): plain seconds ("300", "0.5") or a number with a unit suffix
+// ("250ms", "5s", "2m", "1h", "7d"), the number trimmed of spaces before its unit.
+func ParseDuration(v string) (time.Duration, error) {
+	num, unit := v, time.Second
+	for _, u := range []struct {
+		suffix string
+		d      time.Duration
+	}{{"ms", time.Millisecond}, {"s", time.Second}, {"m", time.Minute}, {"h", time.Hour}, {"d", 24 * time.Hour}} {
+		if strings.HasSuffix(v, u.suffix) {
+			num, unit = strings.TrimSpace(strings.TrimSuffix(v, u.suffix)), u.d
+			break
+		}
+	}
+	f, err := strconv.ParseFloat(num, 64)
+	if err != nil || f < 0 || f != f || f > float64(1<<62)/float64(unit) {
+		return 0, fmt.Errorf("want a duration such as 30, 0.5, 250ms, 5s, 2m or 1h, got %q", v)
+	}
+	return time.Duration(f * float64(unit)), nil
 }
