@@ -247,7 +247,8 @@ func parseINI(name string, r io.Reader) ([]iniEntry, error) {
 		if i := strings.IndexFunc(value, isControl); i >= 0 {
 			// A NUL cannot even be passed to a worker (environment, argv); the others are a
 			// binary file or an editor accident. The value is not echoed: it may be a password.
-			return nil, &configError{where, key, fmt.Sprintf("the value contains the control character %U at byte %d; values are text", value[i], i+1)}
+			r, _ := utf8.DecodeRuneInString(value[i:]) // the character, not its first byte
+			return nil, &configError{where, key, fmt.Sprintf("the value contains the control character %U at byte %d; values are text", r, i+1)}
 		}
 		id := section + "\x00" + key
 		if first, dup := seen[id]; dup {

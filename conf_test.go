@@ -118,6 +118,10 @@ func TestConfigSmallMistakes(t *testing.T) {
 			t.Errorf("USER = %q: %q", v, got)
 		}
 	}
+	// A control character of two bytes (NEL, U+0085) is named, not its first byte (U+00C2).
+	if got := loadErr(t, "[pepsi-dispatch]\nUSER = a\u0085b\n"); !strings.HasPrefix(got, "c.conf:2: USER: the value contains the control character U+0085 at byte 2;") {
+		t.Errorf("NEL in a value: %q", got)
+	}
 	if got := loadErr(t, "[database]\nDSN = dbname=x password=s3cret\x00PW\n"); !strings.Contains(got, "c.conf:2: DSN: the value contains") || strings.Contains(got, "s3cret") {
 		t.Errorf("NUL in DSN: %q", got)
 	}
