@@ -1,4 +1,4 @@
-// quiet.go: autovacuum around the latency runs. A latency run measures one system at 20 or
+// quiet.go: autovacuum around the measured runs. A latency run measures one system at 20 or
 // 200 messages a second for up to a minute, and its p99 at 20/s is the 12th slowest of 1,200
 // messages: one autovacuum worker that wakes up in the middle of it, on any database of the
 // cluster (River's and Graphile Worker's tables are left with hundreds of thousands of dead
@@ -6,7 +6,10 @@
 // puts its mark on whichever system happens to run then. So before each latency run every
 // benchmark database is vacuumed and analyzed and the run waits for autovacuum to be idle, and during the
 // run a sampler records whether an autovacuum worker was busy, which the report shows beside
-// the tails.
+// the tails. The throughput runs (W1, W1b, W4, W5, W2) are quiesced and sampled the same way:
+// a worker's CPU is counted to whichever system runs then (every PostgreSQL process is), and
+// in one W1 with every system a worker vacuumed River's or Graphile Worker's table, left by
+// their own runs, during 8 of the 32 runs.
 //
 // And the machine's own reclaim: this kind of virtual machine runs DAMON (the kernel's Data
 // Access MONitor) with a pageout scheme, whose thread kdamond takes one of the two vCPUs for
@@ -35,7 +38,7 @@ import (
 // kdamondMS is the CPU time of the kdamond threads so far, in ms.
 func kdamondMS() float64 { return float64(damon.CPUTicks() * msPerTick) }
 
-// quietTimeout bounds the wait for autovacuum to finish before a latency run: past it the run
+// quietTimeout bounds the wait for autovacuum to finish before a measured run: past it the run
 // starts anyway (the sampler then shows the worker in the report).
 const quietTimeout = 2 * time.Minute
 
@@ -54,7 +57,7 @@ func (b *bench) quiesce(ctx context.Context) {
 		// which a plain VACUUM does not reset (in a full run, an autovacuum ANALYZE of
 		// river_job ran during pepsi's W3 at 20/s after a plain VACUUM).
 		if _, err := s.pool.Exec(ctx, "VACUUM ANALYZE"); err != nil {
-			logf("  vacuum %s before a latency run: %v", s.dbname, err)
+			logf("  vacuum %s before a measured run: %v", s.dbname, err)
 		}
 	}
 	deadline := time.Now().Add(quietTimeout)
@@ -64,7 +67,7 @@ func (b *bench) quiesce(ctx context.Context) {
 			return
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
-			logf("  %d autovacuum worker(s) still running after %s: the latency run starts anyway", n, quietTimeout)
+			logf("  %d autovacuum worker(s) still running after %s: the run starts anyway", n, quietTimeout)
 			return
 		}
 		select {
@@ -100,7 +103,7 @@ func (b *bench) autovacuumWorkers(ctx context.Context) []string {
 	return what
 }
 
-// avSampler watches autovacuum during a latency run: every avSampleEvery it asks once (a
+// avSampler watches autovacuum during a measured run: every avSampleEvery it asks once (a
 // query on the admin connection: the same small load for every system).
 type avSampler struct {
 	stop    context.CancelFunc

@@ -72,6 +72,35 @@ func median(v []float64) float64 {
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
+// throughputWorkloads are the workloads of the cost table, in its order.
+var throughputWorkloads = []string{"W1", "W2", w1Beside, "W4", "W4f", "W4w", "W5"}
+
+// autovacuumInThroughput counts the valid throughput runs during which an autovacuum worker
+// was busy (quiet.go quiesces before each, so this is what woke up in the run itself), and
+// names up to five of them: ": W1 river run 2 (12 %), …".
+func (r *results) autovacuumInThroughput() (busy, of int, what string) {
+	var named []string
+	for _, m := range r.meas {
+		if m.Err != "" || !slices.Contains(throughputWorkloads, m.Workload) {
+			continue
+		}
+		of++
+		if m.AutovacPct > 0 {
+			busy++
+			if len(named) < 5 {
+				named = append(named, fmt.Sprintf("%s %s run %d (%.0f %%)", m.Workload, m.System, m.Run, m.AutovacPct))
+			}
+		}
+	}
+	if len(named) > 0 {
+		what = ": " + strings.Join(named, ", ")
+		if busy > len(named) {
+			what += ", …"
+		}
+	}
+	return busy, of, what
+}
+
 func (r *results) summary(wl, sys string) summary {
 	var s summary
 	var rate, msg, cpu, self, child, pg, wal, rss, crss, other []float64
@@ -280,7 +309,7 @@ func (b *bench) report(chartPath string) string {
 	p("| workload | system | runs ok | transitions/s (min–max) | CPU ms / 1k transitions: total | main process | children | PostgreSQL | WAL bytes / transition | peak RSS main, MiB | peak RSS per worker, MiB | other load |\n")
 	p("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	var failures []string
-	for _, wl := range []string{"W1", "W2", w1Beside, "W4", "W4f", "W4w", "W5"} {
+	for _, wl := range throughputWorkloads {
 		if !b.want(wl) {
 			continue
 		}
@@ -309,6 +338,10 @@ func (b *bench) report(chartPath string) string {
 		}
 	}
 	p("\n")
+	if busy, of, what := r.autovacuumInThroughput(); of > 0 {
+		p("Autovacuum (sampled every %s in every throughput run above): a worker was busy in %d of %d runs%s.\n\n",
+			avSampleEvery, busy, of, what)
+	}
 	if len(failures) > 0 {
 		p("Runs cut at the time limit (their rate over the limit is kept) or failed (left out of the medians):\n\n")
 		for _, f := range failures {
@@ -500,7 +533,9 @@ func (b *bench) report(chartPath string) string {
 	p("Graphile Worker's own migrations (`runMigrations`) for each Graphile Worker, `CREATE EXTENSION pgq` for PgQ (Debian's ")
 	p("`postgresql-15-pgq3`, installed under /usr/lib/postgresql/15, the server the cluster runs). ")
 	p("Before every measured run the queue table is emptied (`TRUNCATE`, `VACUUM ANALYZE`; W5: the previous run's rows ")
-	p("deleted) and a `CHECKPOINT` is taken; the systems' order rotates from run to run. ")
+	p("deleted), every system's database is vacuumed and analyzed and the run waits until no autovacuum worker runs ")
+	p("(`quiet.go`: a worker's CPU counts to whichever system runs then), and a `CHECKPOINT` is taken; the systems' ")
+	p("order rotates from run to run. ")
 	if len(b.damonStopped) > 0 {
 		p("The machine's DAMON reclaim thread (kdamond) was stopped for the whole run but for W3d (`-pause-damon`, `quiet.go`).\n")
 	} else {

@@ -171,3 +171,19 @@ func TestW4TargetBeside(t *testing.T) {
 		t.Errorf("-only W4 shows a row against W1's median, which did not run:\n%s", out)
 	}
 }
+
+// TestAutovacuumInThroughput: the cost table's autovacuum line counts valid throughput runs
+// only (not latency or failed ones) and names the runs a worker was busy in.
+func TestAutovacuumInThroughput(t *testing.T) {
+	r := &results{meas: []measurement{
+		{Workload: "W1", System: "pepsi", Run: 1},
+		{Workload: "W1", System: "river", Run: 2, AutovacPct: 12},
+		{Workload: w1Beside, System: "pepsi", Run: 1},
+		{Workload: "W5", System: "graphile", Run: 3, AutovacPct: 100, Err: "failed"},
+		{Workload: "W3", System: "pepsi", Run: 1, AutovacPct: 50},
+	}}
+	busy, of, what := r.autovacuumInThroughput()
+	if busy != 1 || of != 3 || what != ": W1 river run 2 (12 %)" {
+		t.Errorf("autovacuumInThroughput = %d of %d %q, want 1 of 3 \": W1 river run 2 (12 %%)\"", busy, of, what)
+	}
+}

@@ -59,6 +59,7 @@ type measurement struct {
 	RSSKiB      int64      // peak RSS of the main process (VmHWM)
 	ChildRSSKiB int64      // the largest peak RSS among its live children at the end
 	OtherPct    float64    // CPU of processes outside the benchmark and PostgreSQL, % of the machine
+	AutovacPct  float64    // share of the run's autovacuum samples with a worker busy, % (quiet.go)
 	Slow        []diagPlan // statements slower than 200 ms meanwhile (auto_explain), by statement
 	Note        string     // a valid run with a remark (cut at the time limit)
 	Err         string     // a failed run, left out of the medians
@@ -213,8 +214,8 @@ func (b *bench) record(ctx context.Context, m measurement) error {
 		if m.Note != "" {
 			logf("  %s run %d %-14s %s", m.Workload, m.Run, m.System, m.Note)
 		}
-		logf("  %s run %d %-14s %7d transitions in %6.2f s = %8.0f/s  cpu %6.1f ms/1k  wal %5.0f B/tr  rss %d KiB  other load %.0f%%",
-			m.Workload, m.Run, m.System, m.Transitions, m.Seconds, m.rate(), m.cpuPer1k(), m.walPer(), m.RSSKiB, m.OtherPct)
+		logf("  %s run %d %-14s %7d transitions in %6.2f s = %8.0f/s  cpu %6.1f ms/1k  wal %5.0f B/tr  rss %d KiB  other load %.0f%%  autovacuum %.0f%%",
+			m.Workload, m.Run, m.System, m.Transitions, m.Seconds, m.rate(), m.cpuPer1k(), m.walPer(), m.RSSKiB, m.OtherPct, m.AutovacPct)
 	}
 	return ctx.Err()
 }
@@ -248,7 +249,13 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 	if err != nil {
 		return fail(fmt.Errorf("priming batch: %w", err))
 	}
+	// No run pays for the vacuum debt of the system before it (quiet.go): in one W1 with every
+	// system, a worker vacuumed River's or Graphile Worker's table in 8 of 32 runs, its CPU
+	// counted to whoever ran then.
+	b.quiesce(ctx)
 	b.pg.checkpoint(ctx) // after the priming batch's writes: every run starts from a checkpoint
+	av := b.sampleAutovacuum(ctx)
+	defer func() { m.AutovacPct, _ = av.finish() }()
 	var pepsiBefore pepsiStats
 	if statements {
 		b.pg.resetStatements(ctx, s.dbname)
@@ -440,7 +447,10 @@ func (b *bench) continuousRun(ctx context.Context, s *system, run int) (m measur
 	if err := s.reset(ctx); err != nil {
 		return fail(err)
 	}
+	b.quiesce(ctx) // as before a backlog run
 	b.pg.checkpoint(ctx)
+	av := b.sampleAutovacuum(ctx)
+	defer func() { m.AutovacPct, _ = av.finish() }()
 	logOff := b.pg.logOffset()
 	p, err := b.startSUT(ctx, s, startOpts{stages: 1, tag: fmt.Sprintf("W2-r%d", run)})
 	if err != nil {
