@@ -77,7 +77,8 @@ var throughputWorkloads = []string{"W1", "W2", w1Beside, "W4", "W4f", "W4w", "W5
 
 // autovacuumInThroughput counts the valid throughput runs during which an autovacuum worker
 // was busy (quiet.go quiesces before each, so this is what woke up in the run itself), and
-// names up to five of them: ": W1 river run 2 (12 %), …".
+// names up to five of them with what was vacuumed: ": W1 river run 2 (12 %: bench_river:
+// autovacuum: VACUUM ANALYZE public.river_job), …".
 func (r *results) autovacuumInThroughput() (busy, of int, what string) {
 	var named []string
 	for _, m := range r.meas {
@@ -88,7 +89,7 @@ func (r *results) autovacuumInThroughput() (busy, of int, what string) {
 		if m.AutovacPct > 0 {
 			busy++
 			if len(named) < 5 {
-				named = append(named, fmt.Sprintf("%s %s run %d (%.0f %%)", m.Workload, m.System, m.Run, m.AutovacPct))
+				named = append(named, fmt.Sprintf("%s %s run %d (%.0f %%: %s)", m.Workload, m.System, m.Run, m.AutovacPct, strings.Join(m.Autovac, "; ")))
 			}
 		}
 	}

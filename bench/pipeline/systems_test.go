@@ -177,13 +177,13 @@ func TestW4TargetBeside(t *testing.T) {
 func TestAutovacuumInThroughput(t *testing.T) {
 	r := &results{meas: []measurement{
 		{Workload: "W1", System: "pepsi", Run: 1},
-		{Workload: "W1", System: "river", Run: 2, AutovacPct: 12},
+		{Workload: "W1", System: "river", Run: 2, AutovacPct: 12, Autovac: []string{"bench_river: autovacuum: VACUUM ANALYZE public.river_job"}},
 		{Workload: w1Beside, System: "pepsi", Run: 1},
 		{Workload: "W5", System: "graphile", Run: 3, AutovacPct: 100, Err: "failed"},
 		{Workload: "W3", System: "pepsi", Run: 1, AutovacPct: 50},
 	}}
 	busy, of, what := r.autovacuumInThroughput()
-	if busy != 1 || of != 3 || what != ": W1 river run 2 (12 %)" {
-		t.Errorf("autovacuumInThroughput = %d of %d %q, want 1 of 3 \": W1 river run 2 (12 %%)\"", busy, of, what)
+	if want := ": W1 river run 2 (12 %: bench_river: autovacuum: VACUUM ANALYZE public.river_job)"; busy != 1 || of != 3 || what != want {
+		t.Errorf("autovacuumInThroughput = %d of %d %q, want 1 of 3 %q", busy, of, what, want)
 	}
 }

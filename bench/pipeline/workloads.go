@@ -60,6 +60,7 @@ type measurement struct {
 	ChildRSSKiB int64      // the largest peak RSS among its live children at the end
 	OtherPct    float64    // CPU of processes outside the benchmark and PostgreSQL, % of the machine
 	AutovacPct  float64    // share of the run's autovacuum samples with a worker busy, % (quiet.go)
+	Autovac     []string   // what those workers vacuumed ("bench_workqueue: autovacuum: VACUUM ANALYZE public.workqueue")
 	Slow        []diagPlan // statements slower than 200 ms meanwhile (auto_explain), by statement
 	Note        string     // a valid run with a remark (cut at the time limit)
 	Err         string     // a failed run, left out of the medians
@@ -214,8 +215,8 @@ func (b *bench) record(ctx context.Context, m measurement) error {
 		if m.Note != "" {
 			logf("  %s run %d %-14s %s", m.Workload, m.Run, m.System, m.Note)
 		}
-		logf("  %s run %d %-14s %7d transitions in %6.2f s = %8.0f/s  cpu %6.1f ms/1k  wal %5.0f B/tr  rss %d KiB  other load %.0f%%  autovacuum %.0f%%",
-			m.Workload, m.Run, m.System, m.Transitions, m.Seconds, m.rate(), m.cpuPer1k(), m.walPer(), m.RSSKiB, m.OtherPct, m.AutovacPct)
+		logf("  %s run %d %-14s %7d transitions in %6.2f s = %8.0f/s  cpu %6.1f ms/1k  wal %5.0f B/tr  rss %d KiB  other load %.0f%%  autovacuum %.0f%% %v",
+			m.Workload, m.Run, m.System, m.Transitions, m.Seconds, m.rate(), m.cpuPer1k(), m.walPer(), m.RSSKiB, m.OtherPct, m.AutovacPct, m.Autovac)
 	}
 	return ctx.Err()
 }
@@ -255,7 +256,7 @@ func (b *bench) backlogRun(ctx context.Context, s *system, wl string, run int, n
 	b.quiesce(ctx)
 	b.pg.checkpoint(ctx) // after the priming batch's writes: every run starts from a checkpoint
 	av := b.sampleAutovacuum(ctx)
-	defer func() { m.AutovacPct, _ = av.finish() }()
+	defer func() { m.AutovacPct, m.Autovac = av.finish() }()
 	var pepsiBefore pepsiStats
 	if statements {
 		b.pg.resetStatements(ctx, s.dbname)
@@ -450,7 +451,7 @@ func (b *bench) continuousRun(ctx context.Context, s *system, run int) (m measur
 	b.quiesce(ctx) // as before a backlog run
 	b.pg.checkpoint(ctx)
 	av := b.sampleAutovacuum(ctx)
-	defer func() { m.AutovacPct, _ = av.finish() }()
+	defer func() { m.AutovacPct, m.Autovac = av.finish() }()
 	logOff := b.pg.logOffset()
 	p, err := b.startSUT(ctx, s, startOpts{stages: 1, tag: fmt.Sprintf("W2-r%d", run)})
 	if err != nil {
