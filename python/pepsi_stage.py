@@ -108,7 +108,13 @@ MAX_CHILDREN_DEFAULT = 10000
 MIN_SPAN_DEFAULT = 1000
 
 _READ_SIZE = 64 << 10
-_STAGE_NAME = re.compile(r"^[a-z0-9_-]+$")
+_STAGE_NAME = re.compile(r"[a-z0-9_-]+\Z")  # \Z, not $: "$" would take "name\n"
+# What Go's strings.Fields splits on (unicode.IsSpace), which the Go SDK splits PEPSI_NEXT and
+# PEPSI_FUSE on: str.split() also splits on \x1c-\x1f, which Go keeps in a name and refuses.
+_GO_SPACE = re.compile("[\t\n\v\f\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]+")
+# What Go's strconv.ParseInt(text, 10, 32) accepts: ASCII digits (str.isdigit() also takes
+# "\u0663" and "\u00b2"), a sign, at most 2**31 - 1.
+_GO_INT = re.compile(r"[+-]?[0-9]+\Z")
 _SQL_CLAIM_GONE = "PF001"
 
 
@@ -191,16 +197,60 @@ class Config:
                     raise ValueError(f"fused stage name {n!r}: want [a-z0-9_-]+")
 
 
+def _fields(text: str) -> List[str]:
+    """text split as Go's strings.Fields splits it."""
+    return [f for f in _GO_SPACE.split(text) if f]
+
+
 def _parse_fuse(text: str) -> Dict[str, List[str]]:
+    """PEPSI_FUSE read as the Go SDK reads it: entries STAGE=NEXT1,NEXT2 separated by spaces,
+    the list possibly empty ("deliver="); a stage listed twice or an empty or malformed name is
+    an error (the dispatcher writes neither)."""
     fuse: Dict[str, List[str]] = {}
-    for entry in text.split():
+    for entry in _fields(text):
         name, sep, rest = entry.partition("=")
-        if not sep or not _STAGE_NAME.match(name):
-            raise ValueError(f"PEPSI_FUSE entry {entry!r}: want STAGE=NEXT1,NEXT2")
+        if not sep:
+            raise ValueError(f"PEPSI_FUSE entry {entry!r}: want STAGE=NEXT1,NEXT2 (STAGE= for a final stage)")
+        if not _STAGE_NAME.match(name):
+            raise ValueError(f"PEPSI_FUSE entry {entry!r}: stage name {name!r}: want [a-z0-9_-]+")
         if name in fuse:
             raise ValueError(f"PEPSI_FUSE entry {entry!r}: stage {name} is listed twice")
-        fuse[name] = [n for n in rest.split(",") if n] if rest else []
+        nxt = rest.split(",") if rest else []
+        for n in nxt:
+            if not _STAGE_NAME.match(n):
+                raise ValueError(f"PEPSI_FUSE entry {entry!r}: next stage name {n!r}: want [a-z0-9_-]+")
+        fuse[name] = nxt
     return fuse
+
+
+def _parse_args(args: List[str]) -> str:
+    """``[-c FILE] worker`` read as Go's flag package reads it for the Go SDK: ``-c FILE``,
+    ``-c=FILE``, ``--c FILE`` or ``--c=FILE`` (the last one given wins), ``--`` ends the
+    options; ``-cFILE`` is an unknown option there, so it is here. Returns FILE, "" without."""
+    config_file = ""
+    i = 0
+    while i < len(args):
+        s = args[i]
+        if len(s) < 2 or s[0] != "-":
+            break
+        i += 1
+        if s == "--":
+            break
+        name = s[2:] if s[1] == "-" else s[1:]
+        if not name or name[0] in "-=":
+            raise ValueError(f"parse arguments {args!r}: bad option syntax {s!r} (usage: PROGRAM [-c FILE] worker)")
+        name, eq, value = name.partition("=")
+        if name != "c":
+            raise ValueError(f"parse arguments {args!r}: unknown option {s!r} (usage: PROGRAM [-c FILE] worker)")
+        if not eq:
+            if i == len(args):
+                raise ValueError(f"parse arguments {args!r}: option {s!r} needs a FILE (usage: PROGRAM [-c FILE] worker)")
+            value = args[i]
+            i += 1
+        config_file = value
+    if args[i:] != ["worker"]:
+        raise ValueError(f"parse arguments {args!r}: usage: PROGRAM [-c FILE] worker")
+    return config_file
 
 
 def load_config(argv: Optional[Sequence[str]] = None,
@@ -211,13 +261,7 @@ def load_config(argv: Optional[Sequence[str]] = None,
     """
     args = list(sys.argv[1:] if argv is None else argv)
     env = os.environ if environ is None else environ
-    config_file = ""
-    if len(args) >= 2 and args[0] == "-c":
-        config_file, args = args[1], args[2:]
-    elif args and args[0].startswith("-c") and len(args[0]) > 2:
-        config_file, args = args[0][2:], args[1:]
-    if args != ["worker"]:
-        raise ValueError(f"parse arguments {list(argv or sys.argv[1:])!r}: usage: PROGRAM [-c FILE] worker")
+    config_file = _parse_args(args)
     dsn = env.get("PEPSI_DSN", "")
     if not dsn:
         raise ValueError("read environment: PEPSI_DSN is not set (a stage is started by pepsi-dispatch)")
@@ -225,10 +269,10 @@ def load_config(argv: Optional[Sequence[str]] = None,
     for name in ("PEPSI_MAX_CHILDREN", "PEPSI_MIN_SPAN"):
         text = env.get(name, "")
         if text:
-            if not text.isdigit() or int(text) < 1:
+            if not _GO_INT.match(text) or not 1 <= int(text) <= 2**31 - 1:
                 raise ValueError(f"read environment: {name} = {text!r}: want a positive whole number")
             numbers[name] = int(text)
-    cfg = Config(stage=env.get("PEPSI_STAGE", ""), next=env.get("PEPSI_NEXT", "").split(), dsn=dsn,
+    cfg = Config(stage=env.get("PEPSI_STAGE", ""), next=_fields(env.get("PEPSI_NEXT", "")), dsn=dsn,
                  config_file=config_file, max_children=numbers.get("PEPSI_MAX_CHILDREN", 0),
                  min_span=numbers.get("PEPSI_MIN_SPAN", 0), fuse=_parse_fuse(env.get("PEPSI_FUSE", "")))
     cfg.validate()
