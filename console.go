@@ -25,6 +25,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // consoleStatementTimeout bounds every query a page runs: a slow page must never hold a
@@ -358,7 +359,22 @@ func parseSearch(v url.Values) (searchQuery, error) {
 	}
 	q.Error = v.Get("error")
 	q.JSONPath = strings.TrimSpace(v.Get("path"))
+	for _, f := range []struct{ name, text string }{{"stage", q.Stage}, {"error", q.Error}, {"path", q.JSONPath}} {
+		if err := checkText(f.name, f.text); err != nil {
+			return q, err
+		}
+	}
 	return q, nil
+}
+
+// checkText refuses what a query string can carry and a PostgreSQL text parameter cannot
+// (invalid UTF-8, NUL): the statement would fail with a server error, which the page would
+// show as its own failure (500) and log, where it is the operator's typing (400).
+func checkText(name, s string) error {
+	if !utf8.ValidString(s) || strings.IndexByte(s, 0) >= 0 {
+		return &httpError{http.StatusBadRequest, fmt.Sprintf("%s %q is not valid text (UTF-8 without NUL)", name, s)}
+	}
+	return nil
 }
 
 // values is the query string of q without its keyset position.

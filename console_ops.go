@@ -226,6 +226,9 @@ func (c *console) pause(ctx context.Context, stage string, on bool) (string, err
 	if stage == "" {
 		return "", &httpError{http.StatusBadRequest, "no stage named"}
 	}
+	if err := checkText("stage", stage); err != nil {
+		return "", err
+	}
 	var ok bool
 	var reason sql.NullString
 	err := c.pool().QueryRowContext(ctx, `SELECT ok, reason FROM queue_pause($1, $2, $3)`, stage, on, consoleActor).Scan(&ok, &reason)

@@ -18,10 +18,12 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 )
 
 // consoleHarness is a console served by httptest over a test schema.
@@ -137,6 +139,10 @@ func TestConsolePages(t *testing.T) {
 		{"/search?path=" + url.QueryEscape(`$.(`), 400, []string{"JSON path is not valid"}},
 		{"/search?status=bogus", 400, []string{"is not a state"}},
 		{"/search?id=x", 400, []string{"not a message id"}},
+		// Text PostgreSQL cannot hold is the operator's mistake (400), not a failed page (500).
+		{"/search?status=&stage=%ff", 400, []string{"stage", "not valid text"}},
+		{"/search?error=a%00b", 400, []string{"error", "not valid text"}},
+		{"/search?path=%C3", 400, []string{"path", "not valid text"}},
 		{"/message/1", 200, []string{"&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;", "&lt;img src=x onerror=alert(1)&gt;"}},
 		{"/message/999", 404, []string{"does not exist"}},
 		{"/message/abc", 400, nil},
@@ -258,6 +264,22 @@ func TestConsoleWriteRefusals(t *testing.T) {
 			code, _ := h.post(t, cl, "/action", tc.origin, url.Values{"action": {"retry"}, "id": {"1"}, "csrf": {tc.csrf}})
 			if code != 403 {
 				t.Errorf("%s: %d, want 403", tc.name, code)
+			}
+		}
+		// Logged in, with the token: a mistake in the form is a 400 that names it.
+		for _, tc := range []struct {
+			form url.Values
+			want string
+		}{
+			{url.Values{"action": {"pause"}, "stage": {"\xff"}}, "not valid text"},
+			{url.Values{"action": {"pause"}, "stage": {"a\x00b"}}, "not valid text"},
+			{url.Values{"action": {"pause"}}, "no stage named"},
+			{url.Values{"action": {"explode"}}, "unknown action"},
+			{url.Values{"action": {"retry"}, "id": {"x"}}, "not a message id"},
+		} {
+			tc.form.Set("csrf", m[1])
+			if code, body := h.post(t, cl, "/action", h.srv.URL, tc.form); code != 400 || !strings.Contains(body, tc.want) {
+				t.Errorf("POST /action %v: %d %q, want 400 naming %q", tc.form, code, body, tc.want)
 			}
 		}
 	})
@@ -438,4 +460,46 @@ func TestConsoleCountViewerLeft(t *testing.T) {
 	if _, _, err := h.c.counts.get(context.Background(), h.s.DB); err != nil {
 		t.Errorf("the count after a viewer left: %v, want a count", err)
 	}
+}
+
+// FuzzConsoleSearch: whatever query string the search page is given, parseSearch either
+// refuses it with a 400 or returns a query whose text PostgreSQL can hold and whose own
+// links (values, with the keyset position) parse back to the same query, so the next page
+// searches for what this one did.
+func FuzzConsoleSearch(f *testing.F) {
+	for _, s := range []string{"", "stage=parse&status=failed", "id=12&before=40", "error=relay+down",
+		"path=%24.to+%3D%3D+%22a%40example.org%22", "stage=%20parse%20&error=%20x%20", "stage=%ff",
+		"error=a%00b", "status=done", "status=bogus", "id=-1", "before=0", "id=%2B7", "stage=a&stage=b"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, raw string) {
+		v, err := url.ParseQuery(raw)
+		if err != nil {
+			return // net/http gives the page what it could parse; that is a url.Values too
+		}
+		q, err := parseSearch(v)
+		if err != nil {
+			var he *httpError
+			if !errors.As(err, &he) || he.code != http.StatusBadRequest || he.msg == "" {
+				t.Fatalf("parseSearch(%q): %v, want a 400 with a message", raw, err)
+			}
+			return
+		}
+		for _, s := range []string{q.Stage, q.Status, q.Error, q.JSONPath} {
+			if !utf8.ValidString(s) || strings.IndexByte(s, 0) >= 0 {
+				t.Fatalf("parseSearch(%q) = %+v: text PostgreSQL cannot hold", raw, q)
+			}
+		}
+		back := q.values()
+		if q.Before > 0 {
+			back.Set("before", strconv.FormatInt(q.Before, 10))
+		}
+		q2, err := parseSearch(back)
+		if err != nil || q2 != q {
+			t.Fatalf("parseSearch(%q) = %+v; its links %q parse to %+v, %v", raw, q, back.Encode(), q2, err)
+		}
+		if _, args := searchSQL(q); len(args) != len(back) {
+			t.Fatalf("parseSearch(%q) = %+v: %d parameters for %d conditions", raw, q, len(args), len(back))
+		}
+	})
 }
