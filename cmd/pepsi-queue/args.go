@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"pepsi-dispatch/internal/conffile"
 )
@@ -132,6 +133,7 @@ func parseArgs(args []string) (*invocation, error) {
 				}
 				inv.command = a
 			case inv.command == "pause" || inv.command == "resume":
+				err = checkText("stage name", a)
 				inv.stages = append(inv.stages, a)
 			default:
 				id, perr := strconv.ParseInt(a, 10, 64)
@@ -149,20 +151,31 @@ func parseArgs(args []string) (*invocation, error) {
 			return nil, usagef("%s", err)
 		}
 	}
-	return inv, inv.check()
+	if err := inv.check(); err != nil {
+		return nil, err // nothing half-checked for a caller to act on
+	}
+	return inv, nil
 }
 
 func (inv *invocation) addFilter(name, v string) error {
 	key := strings.ReplaceAll(strings.TrimPrefix(name, "--"), "-", "_")
+	if err := checkText(name, v); err != nil {
+		return err
+	}
 	switch key {
 	case "status":
-		for _, s := range strings.Split(v, ",") {
-			switch strings.TrimSpace(s) {
+		// Stored as checked: the SQL side splits on commas and drops only spaces, so " \tfailed"
+		// would pass here and match nothing there.
+		list := strings.Split(v, ",")
+		for i, s := range list {
+			list[i] = strings.TrimSpace(s)
+			switch list[i] {
 			case "pending", "running", "paused", "waiting", "done", "failed", "held", "cancelled":
 			default:
 				return usagef("--status: %q is not a status (pending, running, paused, waiting, held, done, failed, cancelled)", s)
 			}
 		}
+		v = strings.Join(list, ",")
 	case "older":
 		d, err := parseDuration(v)
 		if err != nil {
@@ -176,6 +189,16 @@ func (inv *invocation) addFilter(name, v string) error {
 	}
 	inv.filter[key] = v
 	inv.words = append(inv.words, name+" "+quoteWord(v))
+	return nil
+}
+
+// checkText refuses what PostgreSQL cannot hold as text (invalid UTF-8, NUL): json.Marshal
+// would turn the first into U+FFFD, a filter other than the one typed, and the server would
+// refuse the second with an error that does not name the option.
+func checkText(name, v string) error {
+	if !utf8.ValidString(v) || strings.IndexByte(v, 0) >= 0 {
+		return usagef("%s %q: not valid text (UTF-8 without NUL)", name, v)
+	}
 	return nil
 }
 

@@ -219,6 +219,11 @@ func TestSelection(t *testing.T) {
 	if f := s.one(t, `SELECT filter FROM operator_log ORDER BY id DESC LIMIT 1`); f != "--stage a --status pending --all" {
 		t.Errorf("operator_log filter %q", f)
 	}
+	// A status list is read as the check reads it: " failed" and "\tfailed" are failed (the SQL
+	// side drops only spaces, and once matched nothing here).
+	if r := s.pq(t, "", "--json", "list", "--status", "cancelled,\tfailed"); r.code != 0 || strings.Count(r.stdout, "\n") != 5 {
+		t.Errorf("list --status 'cancelled,\\tfailed': %+v, want 5 rows", r)
+	}
 	if r := s.pq(t, "", "retry", "--id-from", fmt.Sprint(ids[3]), "--id-to", fmt.Sprint(ids[4]), "--all"); r.code != 0 || !strings.Contains(r.stdout, "2 of 2") {
 		t.Errorf("retry by id range: %+v", r)
 	}
@@ -243,6 +248,9 @@ func TestSelection(t *testing.T) {
 		{"list", "--older", "soon"},     // not a duration
 		{"status", "--stage", "a"},      // status takes no filter
 		{"retry", "--all", "1"},         // --all with ids
+		{"list", "--error", "\xff"},     // text PostgreSQL cannot compare (json.Marshal made it U+FFFD)
+		{"list", "--stage", "a\x00"},    // nor this
+		{"pause", "\xff"},               // a stage name that cannot be one
 	} {
 		if r := s.pq(t, "", bad...); r.code != exitUsage || r.stderr == "" {
 			t.Errorf("%q: exit %d, stderr %q; want 2 and a message", bad, r.code, r.stderr)
