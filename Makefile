@@ -28,7 +28,7 @@ build:  ## the static daemon binary ./pepsi-dispatch and the operator's command 
 
 test:  ## the whole suite: vet, race detector, short fuzzing of every parser, the Python SDK
 	$(GO) vet ./...
-	$(GO) test -race -timeout 40m -count=1 ./...
+	PYTHON=$(PYTHON) $(GO) test -race -timeout 40m -count=1 ./...
 	$(MAKE) fuzz FUZZTIME=50000x
 	$(MAKE) test-python
 
@@ -54,12 +54,15 @@ staticcheck:  ## staticcheck over every package of the module (staticcheck.conf)
 # while a worker is still in a call (Go issue 75804, fixed in Go 1.27; CI saw it on
 # FuzzPoolCounterLine with no failing input written). A count has no deadline to race. 50,000
 # inputs take 5-15 s per fuzzer on this 2-core machine.
-fuzz:  ## run each parser fuzzer for FUZZTIME, a duration (20s) or a count (50000x) (INI, worker replies, lock protocol lines, pepsi-queue's reader of the configuration and its durations against the daemon's)
+fuzz:  ## run each parser fuzzer for FUZZTIME, a duration (20s) or a count (50000x) (INI, worker replies, lock protocol lines, pepsi-queue's reader of the configuration and its durations against the daemon's, the console's search, pepsi-queue's command line, the Go and Python SDKs' readers of a stage's arguments and environment against each other)
 	$(GO) test -run '^$$' -fuzz '^FuzzINI$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzReply$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzPoolCounterLine$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzConfReaders$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzDurations$$' -fuzztime $(FUZZTIME) -timeout 5m .
+	$(GO) test -run '^$$' -fuzz '^FuzzConsoleSearch$$' -fuzztime $(FUZZTIME) -timeout 5m .
+	$(GO) test -run '^$$' -fuzz '^FuzzQueueArgs$$' -fuzztime $(FUZZTIME) -timeout 5m ./cmd/pepsi-queue
+	PYTHON=$(PYTHON) $(GO) test -run '^$$' -fuzz '^FuzzConfigSameInPython$$' -fuzztime $(FUZZTIME) -timeout 5m ./stage
 
 soak-locks:  ## lock service keepalive soak (issue 17): 18,000 idle holders for 2.5 min, no double grant; needs ulimit -Hn >= 18,200
 	PEPSI_SOAK_LOCKS=1 $(GO) test -count=1 -timeout 20m -run '^TestPoolCounterKeepAliveSoak$$' -v .
