@@ -113,6 +113,7 @@ type bench struct {
 	only     map[string]bool
 	onlySys  map[string]bool
 	systems  []*system
+	besides  []*system // set up for a reference run only (W5b's pepsi): in no table, but quiesced like the others
 	started  time.Time
 
 	pepsiWorkers     int // worker processes in all, divided among the stages that get messages
@@ -270,6 +271,7 @@ var pepsiVariants = map[string]string{
 	"W4f":    "W4", // stages s2 and s3 FUSE = yes
 	"W4w":    "W4", // PARALLELISM = the whole worker budget on every stage (not a target)
 	w1Beside: "W4", // pepsi's W1, run just before each of its W4 runs: W4's reference
+	w5Beside: "W5", // pepsi's W1, run just before each of its W5 runs on a database of its own: W5's reference
 }
 
 func (b *bench) run(ctx context.Context, outPath, svgPath string) error {

@@ -6,7 +6,7 @@
 // puts its mark on whichever system happens to run then. So before each latency run every
 // benchmark database is vacuumed and analyzed and the run waits for autovacuum to be idle, and during the
 // run a sampler records whether an autovacuum worker was busy, which the report shows beside
-// the tails. The throughput runs (W1, W1b, W4, W4f, W4w, W5, W2) are quiesced and sampled alike:
+// the tails. The throughput runs (W1, W1b, W4, W4f, W4w, W5b, W5, W2) are quiesced and sampled alike:
 // a worker's CPU is counted to whichever system runs then (every PostgreSQL process is), and
 // in one W1 with every system a worker vacuumed River's or Graphile Worker's table, left by
 // their own runs, during 8 of the 32 runs.
@@ -46,7 +46,7 @@ const quietTimeout = 2 * time.Minute
 // in the next minutes) and waits until no autovacuum worker runs.
 func (b *bench) quiesce(ctx context.Context) {
 	seen := map[string]bool{}
-	for _, s := range b.systems {
+	for _, s := range append(slices.Clip(b.systems), b.besides...) {
 		if s.pool == nil || seen[s.dbname] {
 			continue
 		}

@@ -73,7 +73,7 @@ func median(v []float64) float64 {
 }
 
 // throughputWorkloads are the workloads of the cost table, in its order.
-var throughputWorkloads = []string{"W1", "W2", w1Beside, "W4", "W4f", "W4w", "W5"}
+var throughputWorkloads = []string{"W1", "W2", w1Beside, "W4", "W4f", "W4w", w5Beside, "W5"}
 
 // autovacuumInThroughput counts the valid throughput runs during which an autovacuum worker
 // was busy (quiet.go quiesces before each, so this is what woke up in the run itself), and
@@ -530,7 +530,7 @@ func (b *bench) report(chartPath string) string {
 	p("- **PostgreSQL**: a private cluster started by `scripts/pg-private` (initdb defaults; `fsync = on`, ")
 	p("`synchronous_commit = on`, `max_connections = 200`), plus `shared_preload_libraries = 'pg_stat_statements'` ")
 	p("(track = top, track_utility = on) for the statement statistics; all traffic over its Unix socket. One database per ")
-	p("system kind: pepsi's `schema.sql` for pepsi and the raw loop, River's own migrations (`rivermigrate`) for each River, ")
+	p("system kind: pepsi's `schema.sql` for pepsi and the raw loop (and for pepsi's W5b, on `%s`, which keeps W5's big table out of its way), River's own migrations (`rivermigrate`) for each River, ", w5BesideDB)
 	p("Graphile Worker's own migrations (`runMigrations`) for each Graphile Worker, `CREATE EXTENSION pgq` for PgQ (Debian's ")
 	p("`postgresql-15-pgq3`, installed under /usr/lib/postgresql/15, the server the cluster runs). ")
 	p("Before every measured run the queue table is emptied (`TRUNCATE`, `VACUUM ANALYZE`; W5: the previous run's rows ")
@@ -606,7 +606,7 @@ func (b *bench) report(chartPath string) string {
 	p("through the partial indexes. W2 a producer ")
 	p("tops the backlog up to %s pending every 200 ms, %s warm-up, %s measured (messages finished = inserted − open); ",
 		groupThousands(fmt.Sprint(sz.w2Pending)), sz.w2Warmup, sz.w2Measure)
-	p("W3 %v/s for %v / %v; W4 %s messages through 3 stages (as many transitions as W1, so the workers' start-up, three pools instead of one, weighs the same), and %d/s for %s; W4f the same backlog through pepsi with s2 and s3 `FUSE = yes` (stage fusion: one worker pass runs the three handlers and commits one outcome; River and the raw loop have nothing alike, so W4f compares with their W4); W4w W4 again through pepsi with three times the worker processes (not a target); W1b pepsi's W1 again, run just before each of its W4 runs, the reference of W4's every-run target (W1's own runs are half an hour earlier, and the host drifts more than that target's margin); W5 W1 with %s messages on top of %s done ",
+	p("W3 %v/s for %v / %v; W4 %s messages through 3 stages (as many transitions as W1, so the workers' start-up, three pools instead of one, weighs the same), and %d/s for %s; W4f the same backlog through pepsi with s2 and s3 `FUSE = yes` (stage fusion: one worker pass runs the three handlers and commits one outcome; River and the raw loop have nothing alike, so W4f compares with their W4); W4w W4 again through pepsi with three times the worker processes (not a target); W1b pepsi's W1 again, run just before each of its W4 runs, the reference of W4's every-run target (W1's own runs are half an hour earlier, and the host drifts more than that target's margin); W5b pepsi's W1 again, as many messages as W5, just before each of its W5 runs on a database of its own (an empty table), the reference of W5's target for the same reason; W5 W1 with %s messages on top of %s done ",
 		sz.w3Rates, sz.w3Duration[20], sz.w3Duration[200], groupThousands(fmt.Sprint(sz.w4Messages)), sz.w4Rate, sz.w4Duration,
 		groupThousands(fmt.Sprint(sz.w5Messages)), groupThousands(fmt.Sprint(sz.w5Done)))
 	p("and %s failed rows (River: completed and discarded jobs; Graphile Worker, which deletes completed jobs and keeps failed ones: as many permanently failed jobs); W6 %s idle. A backlog run longer than %s is cut: its ",

@@ -172,6 +172,46 @@ func TestW4TargetBeside(t *testing.T) {
 	}
 }
 
+// TestW5TargetBeside: W5's target compares pepsi's W5 median with the median of W5b, its W1 in
+// W5's own rounds, and names each round's ratio; W1's and W1b's medians, from other times, are
+// context only; without W5b the target is missed rather than judged against them.
+func TestW5TargetBeside(t *testing.T) {
+	b := &bench{}
+	m := func(wl string, run int, rate float64) measurement {
+		return measurement{Workload: wl, System: "pepsi", Run: run, Messages: 30000, Transitions: 30000, Seconds: 30000 / rate}
+	}
+	// W1 ran high (40,000/s) half an hour before; in W5's rounds pepsi's W1 made 30,000/s and
+	// W5 29,000 and 28,000: 95 % of W5b's median, 71 % of W1's.
+	b.res.meas = []measurement{m("W1", 1, 40000), m("W1", 2, 40000), m(w5Beside, 1, 30000), m("W5", 1, 29000),
+		m(w5Beside, 2, 30000), m("W5", 2, 28000)}
+	var w strings.Builder
+	b.targets(&w)
+	out := w.String()
+	for _, want := range []string{
+		"28,500 vs 30,000 = 95 % (each run against its W5b: run 1 97 %; run 2 93 %) | **met**",
+		"W5 against W1's median (its runs half an hour or more before W5's) | 28,500 vs 40,000 = 71 % | |",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("targets lack %q:\n%s", want, out)
+		}
+	}
+	b.res.meas = b.res.meas[:2:2]
+	b.res.meas = append(b.res.meas, m("W5", 1, 39000))
+	w.Reset()
+	b.targets(&w)
+	if out := w.String(); !strings.Contains(out, "39,000, no W5b run beside it | **missed**") {
+		t.Errorf("W5 without W5b is not missed (it must not fall back to W1's median):\n%s", out)
+	}
+	// -only W5: no row against W1, which did not run.
+	b.only = map[string]bool{"W5": true}
+	b.res.meas = []measurement{m(w5Beside, 1, 30000), m("W5", 1, 29000)}
+	w.Reset()
+	b.targets(&w)
+	if out := w.String(); !strings.Contains(out, "29,000 vs 30,000 = 97 %") || strings.Contains(out, "W1's median") {
+		t.Errorf("-only W5:\n%s", out)
+	}
+}
+
 // TestAutovacuumInThroughput: the cost table's autovacuum line counts valid throughput runs
 // only (not latency or failed ones) and names the runs a worker was busy in.
 func TestAutovacuumInThroughput(t *testing.T) {
