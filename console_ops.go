@@ -77,6 +77,17 @@ var consoleRowActions = map[string]string{
 // back to the page it came from with a one-line summary.
 func (c *console) runAction(w http.ResponseWriter, r *http.Request) {
 	action := r.PostFormValue("action")
+	// Every field reaches PostgreSQL as text, or through json.Marshal (a signature), which
+	// would turn invalid UTF-8 into U+FFFD and act on another filter than the one sent: one
+	// check of the whole form here, not one per action.
+	for name, vs := range r.PostForm {
+		for _, v := range vs {
+			if err := checkText(name, v); err != nil {
+				refuse(w, http.StatusBadRequest, err.Error())
+				return
+			}
+		}
+	}
 	ctx, cancel := context.WithTimeout(r.Context(), 10*consoleStatementTimeout)
 	defer cancel()
 	var summary string
@@ -225,9 +236,6 @@ func actionSummary(action string, ok, refused int, why string) string {
 func (c *console) pause(ctx context.Context, stage string, on bool) (string, error) {
 	if stage == "" {
 		return "", &httpError{http.StatusBadRequest, "no stage named"}
-	}
-	if err := checkText("stage", stage); err != nil {
-		return "", err
 	}
 	var ok bool
 	var reason sql.NullString

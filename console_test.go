@@ -273,6 +273,7 @@ func TestConsoleWriteRefusals(t *testing.T) {
 		}{
 			{url.Values{"action": {"pause"}, "stage": {"\xff"}}, "not valid text"},
 			{url.Values{"action": {"pause"}, "stage": {"a\x00b"}}, "not valid text"},
+			{url.Values{"action": {"retry"}, "signature": {"\xff"}}, "not valid text"}, // json.Marshal would make it U+FFFD
 			{url.Values{"action": {"pause"}}, "no stage named"},
 			{url.Values{"action": {"explode"}}, "unknown action"},
 			{url.Values{"action": {"retry"}, "id": {"x"}}, "not a message id"},

@@ -78,7 +78,7 @@ func pythonSDK(t testing.TB) *pySDK {
 	pyOnce.Do(func() {
 		dir, err := filepath.Abs("../python")
 		if err != nil {
-			pyErr = err
+			pyErr = fmt.Errorf("find the Python SDK (../python): %w", err)
 			return
 		}
 		python := os.Getenv("PYTHON") // as in the Makefile: Debian's, where python3-psycopg is
@@ -90,12 +90,12 @@ func pythonSDK(t testing.TB) *pySDK {
 		cmd.Stderr = os.Stderr
 		in, err := cmd.StdinPipe()
 		if err != nil {
-			pyErr = err
+			pyErr = fmt.Errorf("pipe to %s: %w", python, err)
 			return
 		}
 		out, err := cmd.StdoutPipe()
 		if err != nil {
-			pyErr = err
+			pyErr = fmt.Errorf("pipe from %s: %w", python, err)
 			return
 		}
 		if err := cmd.Start(); err != nil {

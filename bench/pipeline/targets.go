@@ -229,6 +229,18 @@ const w3TailNote = "**Where W3's time and tail go** (pepsi, measured apart from 
 	"dispatcher's statistics write (once a second when idle; 17 of 1,200 messages overlapped one, only one of the 20 " +
 	"slowest); and the raw loop, which has no dispatcher or pipe, has the same spread of tails."
 
+// rateByRun maps each valid run of workload wl by sys to its transitions/s: the reference
+// runs (W1b, W5b) that W4's and W5's targets pair with the run of the same round.
+func (r *results) rateByRun(wl, sys string) map[int]float64 {
+	out := map[int]float64{}
+	for _, m := range r.meas {
+		if m.Workload == wl && m.System == sys && m.Err == "" && m.rate() > 0 {
+			out[m.Run] = m.rate()
+		}
+	}
+	return out
+}
+
 // w5Target writes W5's target: pepsi's W5 median against the median of W5b, pepsi's W1 in
 // W5's rounds (see w5), each round's ratio beside it; then, as context, W5 against W1's and
 // W1b's medians, which ran half an hour and minutes earlier. Without W5b runs the target is
@@ -244,12 +256,7 @@ func (b *bench) w5Target(w *strings.Builder) {
 	if math.IsNaN(ref.rate) {
 		p("| %s | %s, no W5b run beside it | %s |\n", title, f0(w5.rate), verdict(false))
 	} else {
-		byRun := map[int]float64{}
-		for _, m := range r.meas {
-			if m.Workload == w5Beside && m.System == "pepsi" && m.Err == "" && m.rate() > 0 {
-				byRun[m.Run] = m.rate()
-			}
-		}
+		byRun := r.rateByRun(w5Beside, "pepsi")
 		var runs []string
 		for _, m := range r.meas {
 			if m.Workload == "W5" && m.System == "pepsi" && m.Err == "" {
@@ -286,12 +293,7 @@ func (b *bench) w4Targets(w *strings.Builder) {
 	// Each W4 run against the W1b run of its round (pepsi's W1 just before it, see w4): "in
 	// every run" asks for a run's verdict, and W1's median, half an hour earlier, moves with
 	// the host's drift more than the target's margin. Against the median: context, beside it.
-	beside := map[int]float64{}
-	for _, m := range r.meas {
-		if m.Workload == w1Beside && m.System == "pepsi" && m.Err == "" && m.rate() > 0 {
-			beside[m.Run] = m.rate()
-		}
-	}
+	beside := r.rateByRun(w1Beside, "pepsi")
 	for _, wl := range []string{"W4", "W4f"} {
 		var runs, vsMedian []string
 		all, n := true, 0
