@@ -53,8 +53,9 @@ staticcheck:  ## staticcheck over every package of the module (staticcheck.conf)
 # coordinator can fail a target with a bare "context deadline exceeded" when the time runs out
 # while a worker is still in a call (Go issue 75804, fixed in Go 1.27; CI saw it on
 # FuzzPoolCounterLine with no failing input written). A count has no deadline to race. 50,000
-# inputs take 5-15 s per fuzzer on this 2-core machine.
-fuzz:  ## run each parser fuzzer for FUZZTIME, a duration (20s) or a count (50000x) (INI, worker replies, lock protocol lines, pepsi-queue's reader of the configuration and its durations against the daemon's, the console's search, pepsi-queue's command line, the Go and Python SDKs' readers of a stage's arguments and environment against each other)
+# inputs take 5-15 s per fuzzer on this 2-core machine; FuzzIntervalOutput, a query per input,
+# about 40 s.
+fuzz:  ## run each parser fuzzer for FUZZTIME, a duration (20s) or a count (50000x) (INI, worker replies, lock protocol lines, pepsi-queue's reader of the configuration and its durations against the daemon's, the console's search, pepsi-queue's command line and its reader of PostgreSQL's interval text under every IntervalStyle (against PostgreSQL), the Go and Python SDKs' readers of a stage's arguments and environment against each other)
 	$(GO) test -run '^$$' -fuzz '^FuzzINI$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzReply$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzPoolCounterLine$$' -fuzztime $(FUZZTIME) -timeout 5m .
@@ -62,6 +63,8 @@ fuzz:  ## run each parser fuzzer for FUZZTIME, a duration (20s) or a count (5000
 	$(GO) test -run '^$$' -fuzz '^FuzzDurations$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzConsoleSearch$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzQueueArgs$$' -fuzztime $(FUZZTIME) -timeout 5m ./cmd/pepsi-queue
+	$(GO) test -run '^$$' -fuzz '^FuzzParseInterval$$' -fuzztime $(FUZZTIME) -timeout 5m ./cmd/pepsi-queue
+	$(GO) test -run '^$$' -fuzz '^FuzzIntervalOutput$$' -fuzztime $(FUZZTIME) -timeout 5m ./cmd/pepsi-queue
 	PYTHON=$(PYTHON) $(GO) test -run '^$$' -fuzz '^FuzzConfigSameInPython$$' -fuzztime $(FUZZTIME) -timeout 5m ./stage
 
 soak-locks:  ## lock service keepalive soak (issue 17): 18,000 idle holders for 2.5 min, no double grant; needs ulimit -Hn >= 18,200

@@ -11,7 +11,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -119,32 +118,6 @@ func asString(v any) string {
 		return v
 	}
 	return fmt.Sprint(v)
-}
-
-// intervalRe matches PostgreSQL's default interval output for ages: [N day[s] ][-]HH:MM:SS[.frac].
-var intervalRe = regexp.MustCompile(`^(?:(-?\d+) days? ?)?(?:(-?)(\d+):(\d\d):(\d\d(?:\.\d+)?))?$`)
-
-func parseInterval(s string) (float64, bool) {
-	m := intervalRe.FindStringSubmatch(s)
-	if m == nil || s == "" {
-		return 0, false
-	}
-	var secs float64
-	if m[1] != "" {
-		d, _ := strconv.ParseFloat(m[1], 64)
-		secs += d * 86400
-	}
-	if m[3] != "" {
-		h, _ := strconv.ParseFloat(m[3], 64)
-		mi, _ := strconv.ParseFloat(m[4], 64)
-		se, _ := strconv.ParseFloat(m[5], 64)
-		t := h*3600 + mi*60 + se
-		if m[2] == "-" {
-			t = -t
-		}
-		secs += t
-	}
-	return secs, true
 }
 
 // writeJSON prints one JSON object with the keys in column order.
