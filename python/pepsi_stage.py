@@ -108,6 +108,10 @@ MAX_CHILDREN_DEFAULT = 10000
 MIN_SPAN_DEFAULT = 1000
 
 _READ_SIZE = 64 << 10
+# A line of standard input longer than this is cut to its first _MAX_LINE bytes, as the Go
+# SDK's read buffer cuts it (it is no id, and gets its one reply); the rest is not kept.
+_MAX_LINE = 64 << 10
+_MAX_ID = (1 << 63) - 1
 _STAGE_NAME = re.compile(r"[a-z0-9_-]+\Z")  # \Z, not $: "$" would take "name\n"
 # What Go's strings.Fields splits on (unicode.IsSpace), which the Go SDK splits PEPSI_NEXT and
 # PEPSI_FUSE on: str.split() also splits on \x1c-\x1f, which Go keeps in a name and refuses.
@@ -580,6 +584,22 @@ class Message:
         return None if row is None else row[0]
 
 
+def _parse_id(line: bytes) -> Optional[int]:
+    """A line of standard input as a message id, or None: ASCII decimal digits (leading zeros
+    allowed), at most 2**63-1, with ASCII white space around them ignored (the CR of a line
+    ended CRLF). The Go SDK's parseID has the same rule (stage/ids_python_test.go)."""
+    text = line.strip(b" \t\r\x0b\x0c")
+    if not text.isdigit():  # bytes.isdigit(): ASCII digits only
+        return None
+    # The length check keeps int() off a line of thousands of digits: past 4,300 Python
+    # refuses to convert, and the worker died of it.
+    text = text.lstrip(b"0") or b"0"
+    if len(text) > 19:
+        return None
+    n = int(text)
+    return n if n <= _MAX_ID else None
+
+
 class _Batch:
     """One batch's transaction: lazy BEGIN, a lazy savepoint per message that writes."""
 
@@ -759,6 +779,7 @@ class _Server:
     def serve(self) -> None:
         self.connect()
         buf = b""
+        long: Optional[bytes] = None  # a line past _MAX_LINE: its first bytes; its LF not read yet
         eof = False
         rest: List[bytes] = []
         while True:
@@ -768,17 +789,22 @@ class _Server:
             while len(lines) < limit:
                 nl = buf.find(b"\n")
                 if nl >= 0:
-                    lines.append(buf[:nl])
+                    lines.append((buf[:nl] if long is None else long)[:_MAX_LINE])
+                    long = None
                     buf = buf[nl + 1:]
                     continue
+                if long is None and len(buf) > _MAX_LINE:
+                    long = buf[:_MAX_LINE]
+                if long is not None:
+                    buf = b""
                 if lines or eof:
                     break
                 chunk = os.read(self.stdin_fd, _READ_SIZE)
                 if not chunk:
                     eof = True
-                    if buf:
-                        lines.append(buf)
-                        buf = b""
+                    if buf or long is not None:
+                        lines.append((buf if long is None else long)[:_MAX_LINE])
+                        buf, long = b"", None
                     break
                 buf += chunk
             if lines:
@@ -805,12 +831,12 @@ class _Server:
         ids: List[int] = []
         order: List[int] = []
         for i, line in enumerate(lines):
-            text = line.strip()
-            if text.isdigit():
-                ids.append(int(text))
+            id = _parse_id(line)
+            if id is not None:
+                ids.append(id)
                 order.append(i)
             else:
-                replies[i] = "1 " + _one_line(f"bad message id {text.decode('utf-8', 'replace')!r}: want a decimal number")
+                replies[i] = "1 " + _one_line(f"bad message id {line.decode('utf-8', 'replace')!r}: want a decimal number")
         batch = _Batch(self)
         loaded: Dict[int, Any] = {}
         ran = n

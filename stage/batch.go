@@ -86,8 +86,8 @@ func (s *server) runBatch(ctx context.Context, lines []string) (out []byte, rest
 	replies := make([]reply, len(lines))
 	ids := make([]int64, 0, len(lines))
 	for i, line := range lines {
-		id, err := strconv.ParseInt(strings.TrimSpace(line), 10, 64)
-		if err != nil {
+		id, ok := parseID(line)
+		if !ok {
 			replies[i].fail(fmt.Sprintf("bad message id %q: want a decimal number", line))
 			continue
 		}
@@ -360,4 +360,23 @@ func decodeState(raw []byte) (map[string]any, error) {
 		state = map[string]any{}
 	}
 	return state, nil
+}
+
+// parseID reads a line of standard input as a message id: ASCII decimal digits (leading zeros
+// allowed), at most 2^63-1, with ASCII white space around them ignored (the CR of a line
+// ended CRLF, a space typed by hand). Anything else, a sign or a Unicode digit or space
+// included, is no id and gets "bad message id". The Python SDK's _parse_id has the same rule
+// (ids_python_test.go holds the two to each other); pepsi-worker(7) gives it.
+func parseID(line string) (int64, bool) {
+	s := strings.Trim(line, " \t\r\v\f")
+	if s == "" {
+		return 0, false
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return 0, false
+		}
+	}
+	id, err := strconv.ParseInt(s, 10, 64)
+	return id, err == nil
 }

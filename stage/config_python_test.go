@@ -24,12 +24,22 @@ import (
 
 // pyLoadConfig is the Python side: reads {"args": [...], "env": {...}} per line, answers
 // {"cfg": {...}} or {"err": "..."} (a ValueError, the SDK's documented refusal) or
-// {"crash": "..."} (anything else, which is a bug).
+// {"crash": "..."} (anything else, which is a bug); and for ids_python_test.go reads
+// {"id_line": base64}, answers {"id": "N"} or {"id": null} (refused).
 const pyLoadConfig = `
-import json, sys, traceback
+import base64, json, sys, traceback
 import pepsi_stage
 for line in sys.stdin:
     q = json.loads(line)
+    if "id_line" in q:  # ids_python_test.go: one line of a stage's standard input
+        try:
+            n = pepsi_stage._parse_id(base64.b64decode(q["id_line"]))
+            out = {"id": None if n is None else str(n)}
+        except Exception:
+            out = {"crash": traceback.format_exc()}
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+        continue
     try:
         c = pepsi_stage.load_config(q["args"], q["env"])
         out = {"cfg": {"stage": c.stage, "next": c.next, "dsn": c.dsn, "config_file": c.config_file,
@@ -53,6 +63,7 @@ type pyConfig struct {
 }
 
 type pyAnswer struct {
+	ID    *string   `json:"id"` // an id line's id in decimal, nil when refused
 	Cfg   *pyConfig `json:"cfg"`
 	Err   string    `json:"err"`
 	Crash string    `json:"crash"`
@@ -112,7 +123,13 @@ func pythonSDK(t testing.TB) *pySDK {
 
 func (p *pySDK) load(t testing.TB, args []string, env map[string]string) pyAnswer {
 	t.Helper()
-	q, err := json.Marshal(map[string]any{"args": args, "env": env})
+	return p.ask(t, map[string]any{"args": args, "env": env})
+}
+
+// ask sends one query and returns the answer.
+func (p *pySDK) ask(t testing.TB, query map[string]any) pyAnswer {
+	t.Helper()
+	q, err := json.Marshal(query)
 	if err != nil {
 		t.Fatal(err)
 	}

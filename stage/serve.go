@@ -240,11 +240,12 @@ func readBatch(r *bufio.Reader, have []string, max int) (lines []string, eof boo
 	return lines, false, nil
 }
 
-// readLine returns the next line without its newline. A line longer than the buffer is cut to
-// its first bytes (it is not an id anyway, and still gets its one reply).
+// readLine returns the next line without its LF (a CR before it is parseID's to ignore). A
+// line longer than the buffer (64 KiB) is cut to its first 64 KiB: it is no id anyway, and
+// still gets its one reply. The Python SDK cuts at the same length.
 func readLine(r *bufio.Reader) (string, error) {
 	b, err := r.ReadSlice('\n')
-	line := string(bytes.TrimRight(b, "\r\n"))
+	line := string(bytes.TrimSuffix(b, []byte{'\n'}))
 	for err == bufio.ErrBufferFull {
 		_, err = r.ReadSlice('\n')
 	}

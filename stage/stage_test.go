@@ -584,17 +584,25 @@ func TestRoundTrips(t *testing.T) {
 
 func TestEOFAndBadLines(t *testing.T) {
 	sch := newSchema(t)
-	a, b := sch.put(t, "a", "running", `{}`), sch.put(t, "a", "running", `{}`)
+	a, b, c := sch.put(t, "a", "running", `{}`), sch.put(t, "a", "running", `{}`), sch.put(t, "a", "running", `{}`)
 	sv := serve(t, sch, func(ctx context.Context, m *Message) error { return m.Done() })
-	// A bad line and an empty one still get their replies; the last id has no newline.
-	sv.sendRaw(t, fmt.Sprintf("%d\nnot-a-number\n\n%d", a, b))
+	// A bad line and an empty one still get their replies; an id with a sign, or with a
+	// Unicode space, is no id (parseID's rule, the Python SDK's too); a CR and spaces around
+	// an id are nothing; the last line, a lone CR, has no newline and is a line all the same.
+	sv.sendRaw(t, fmt.Sprintf("%d\nnot-a-number\n\n+%d\n%d\u00a0\n \t%d\r\n\r", a, b, b, c))
 	sv.in.Close()
-	r := sv.replies(t, 4)
-	if r[0] != "0 done" || r[3] != "0 done" {
+	r := sv.replies(t, 7)
+	if r[0] != "0 done" || r[5] != "0 done" {
 		t.Errorf("replies %q: want 0 done for the ids", r)
 	}
 	wantFailure(t, r[1], `bad message id "not-a-number"`)
 	wantFailure(t, r[2], `bad message id ""`)
+	wantFailure(t, r[3], fmt.Sprintf(`bad message id "+%d"`, b))
+	wantFailure(t, r[4], fmt.Sprintf(`bad message id "%d\u00a0"`, b))
+	wantFailure(t, r[6], `bad message id "\r"`)
+	if _, status, _ := sch.rowOf(t, b); status != "running" {
+		t.Errorf("row %d, named only with a sign or a Unicode space: %s, want running (not run)", b, status)
+	}
 	if err := sv.wait(t); err != nil {
 		t.Errorf("serve after EOF: %v, want nil", err)
 	}

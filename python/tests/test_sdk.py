@@ -218,6 +218,28 @@ def test_eof(schema: Schema, worker_factory) -> None:
     assert [i for i, _ in runs(schema)] == ids
 
 
+def test_bad_lines(schema: Schema, worker_factory) -> None:
+    """Lines that are no id get "bad message id" and the worker goes on: thousands of digits
+    (int() refuses past 4,300: the worker died of it), a sign, a Unicode digit, an id past
+    2**63-1. A line past 64 KiB is cut to its first 64 KiB (and not kept whole in memory):
+    70,000 zeros and an id are the id 0. stage/ids_python_test.go holds the rule to the Go
+    SDK's."""
+    ids = schema.enqueue("a", [{}, {}, {}])
+    schema.claim("a", ids)
+    w = start(schema, worker_factory)
+    bad = [b"9" * 5000, b"0" * 70000 + str(ids[0]).encode(), b"+" + str(ids[1]).encode(),
+           "\u0663".encode(), b"9223372036854775808"]
+    w.proc.stdin.write(b"\n".join(bad + [b" %d\r" % ids[2], b""]))
+    w.proc.stdin.close()
+    assert w.proc.wait(30) == 0
+    out = w.proc.stdout.read().decode().splitlines()
+    assert len(out) == len(bad) + 1
+    assert out[1] == "1 message 0 is not running at stage a (claim lost)"
+    assert all(line.startswith("1 bad message id ") for line in out[:1] + out[2:-1]), [line[:60] for line in out]
+    assert out[-1] == "0"
+    assert [i for i, _ in runs(schema)] == [ids[2]]
+
+
 def test_eof_at_once(schema: Schema, worker_factory) -> None:
     w = start(schema, worker_factory)
     assert w.close() == 0
