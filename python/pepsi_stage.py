@@ -273,9 +273,13 @@ def load_config(argv: Optional[Sequence[str]] = None,
     for name in ("PEPSI_MAX_CHILDREN", "PEPSI_MIN_SPAN"):
         text = env.get(name, "")
         if text:
-            if not _GO_INT.match(text) or not 1 <= int(text) <= 2**31 - 1:
+            # int() only on the digits after leading zeros, and at most 10 of them: past 4,300
+            # digits int() refuses with a message that names no variable.
+            sign = -1 if text.startswith("-") else 1
+            digits = text.lstrip("+-").lstrip("0") or "0"
+            if not _GO_INT.match(text) or len(digits) > 10 or not 1 <= sign * int(digits) <= 2**31 - 1:
                 raise ValueError(f"read environment: {name} = {text!r}: want a positive whole number")
-            numbers[name] = int(text)
+            numbers[name] = sign * int(digits)
     cfg = Config(stage=env.get("PEPSI_STAGE", ""), next=_fields(env.get("PEPSI_NEXT", "")), dsn=dsn,
                  config_file=config_file, max_children=numbers.get("PEPSI_MAX_CHILDREN", 0),
                  min_span=numbers.get("PEPSI_MIN_SPAN", 0), fuse=_parse_fuse(env.get("PEPSI_FUSE", "")))

@@ -31,7 +31,7 @@ func runStages(t *testing.T, goSch, pySch *schema, in []byte) (goOut, pyOut []st
 	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("find the test binary (the Go stage program): %v", err)
 	}
 	dir, err := filepath.Abs("../python")
 	if err != nil {

@@ -24,7 +24,7 @@ func TestParseIntervalAgainstPostgreSQL(t *testing.T) {
 	ctx := context.Background()
 	conn, err := s.db.Conn(ctx)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("a connection of the schema: %v", err)
 	}
 	defer conn.Close()
 	secs := []float64{0, 0.5, 1, 59.999999, 60, 3599, 3600, 86399.5, 86400, 86401, 90061.123456, 172800,
@@ -58,7 +58,7 @@ func TestParseIntervalAgainstPostgreSQL(t *testing.T) {
 	}
 	for _, style := range []string{"postgres", "sql_standard", "iso_8601", "postgres_verbose"} {
 		if _, err := conn.ExecContext(ctx, "SET IntervalStyle = "+style); err != nil {
-			t.Fatal(err)
+			t.Fatalf("SET IntervalStyle = %s: %v", style, err)
 		}
 		rows, err := conn.QueryContext(ctx, `
 			SELECT i::text, extract(epoch FROM i)::float8
@@ -72,14 +72,14 @@ func TestParseIntervalAgainstPostgreSQL(t *testing.T) {
 			pq.Array(secs), pq.Array(cols[0]), pq.Array(cols[1]), pq.Array(cols[2]), pq.Array(cols[3]),
 			pq.Array(cols[4]), pq.Array(cols[5]))
 		if err != nil {
-			t.Fatal(err)
+			t.Fatalf("intervals as text and epoch under IntervalStyle %s: %v", style, err)
 		}
 		n := 0
 		for rows.Next() {
 			var text string
 			var epoch float64
 			if err := rows.Scan(&text, &epoch); err != nil {
-				t.Fatal(err)
+				t.Fatalf("read an interval under IntervalStyle %s: %v", style, err)
 			}
 			n++
 			got, ok := parseInterval(text)
@@ -91,7 +91,7 @@ func TestParseIntervalAgainstPostgreSQL(t *testing.T) {
 			}
 		}
 		if err := rows.Err(); err != nil {
-			t.Fatal(err)
+			t.Fatalf("read the intervals under IntervalStyle %s: %v", style, err)
 		}
 		rows.Close()
 		if n != len(secs)+len(parts) {
@@ -113,7 +113,7 @@ func TestAgesUnderEveryIntervalStyle(t *testing.T) {
 	}
 	for _, style := range []string{"postgres", "sql_standard", "iso_8601", "postgres_verbose"} {
 		dsn := strings.Replace(s.dsn, "options='", "options='-c IntervalStyle="+style+" ", 1)
-		pq := func(args ...string) result {
+		pepsiQueue := func(args ...string) result { // the command, its DSN with the style
 			t.Helper()
 			t.Setenv("PEPSI_DSN", dsn)
 			var out, errOut bytes.Buffer
@@ -129,7 +129,7 @@ func TestAgesUnderEveryIntervalStyle(t *testing.T) {
 			key  string
 		}{{[]string{"--json", "status"}, "oldest_pending"}, {[]string{"--json", "list"}, "age"}} {
 			var m map[string]any
-			line, _, _ := strings.Cut(pq(c.args...).stdout, "\n")
+			line, _, _ := strings.Cut(pepsiQueue(c.args...).stdout, "\n")
 			if err := json.Unmarshal([]byte(line), &m); err != nil {
 				t.Fatalf("IntervalStyle %s: %v: not JSON: %q", style, c.args, line)
 			}
@@ -137,7 +137,7 @@ func TestAgesUnderEveryIntervalStyle(t *testing.T) {
 				t.Errorf("IntervalStyle %s: %v: %s = %#v, want about 90 seconds", style, c.args, c.key, m[c.key])
 			}
 		}
-		if out := pq("list").stdout; !strings.Contains(out, " 1m3") {
+		if out := pepsiQueue("list").stdout; !strings.Contains(out, " 1m3") {
 			t.Errorf("IntervalStyle %s: list's table has no age of 1m3Xs:\n%s", style, out)
 		}
 	}
@@ -160,7 +160,7 @@ func FuzzParseInterval(f *testing.F) {
 	for _, style := range []string{"postgres", "sql_standard"} {
 		db, err := sql.Open("postgres", testPG.DSN(f)+" options='-c IntervalStyle="+style+"'")
 		if err != nil {
-			f.Fatal(err)
+			f.Fatalf("open a connection with IntervalStyle %s: %v", style, err)
 		}
 		defer db.Close()
 		dbs[style] = db
@@ -203,7 +203,7 @@ func FuzzIntervalOutput(f *testing.F) {
 	for _, style := range styles {
 		if _, err := db.Exec(`CREATE FUNCTION in_` + style + `(i interval) RETURNS text LANGUAGE sql
 		                      SET IntervalStyle = ` + style + ` AS $$ SELECT i::text $$`); err != nil {
-			f.Fatal(err)
+			f.Fatalf("create the function printing under IntervalStyle %s: %v", style, err)
 		}
 	}
 	f.Fuzz(func(t *testing.T, months, days int32, micros int64) {

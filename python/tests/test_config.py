@@ -47,10 +47,18 @@ def test_bad_arguments(args: List[str], want: str) -> None:
     ("PEPSI_MAX_CHILDREN", "\u0663", "want a positive whole number"),
     ("PEPSI_MAX_CHILDREN", "\u00b2", "want a positive whole number"),
     ("PEPSI_MIN_SPAN", "2147483648", "want a positive whole number"),
+    # int() refuses past 4,300 digits with its own message, which named no variable.
+    pytest.param("PEPSI_MAX_CHILDREN", "1" * 5000, "PEPSI_MAX_CHILDREN = .*want a positive whole number",
+                 id="PEPSI_MAX_CHILDREN-5000-digits"),
 ])
 def test_refused_as_in_go(var: str, text: str, want: str) -> None:
     with pytest.raises(ValueError, match=want):
         load(["worker"], **{var: text})
+
+
+def test_leading_zeros_as_in_go() -> None:
+    """Go's strconv.ParseInt takes any number of leading zeros; int() refused past 4,300 digits."""
+    assert load(["worker"], PEPSI_MIN_SPAN="0" * 5000 + "7").min_span == 7
 
 
 def test_read_as_in_go() -> None:
