@@ -157,6 +157,13 @@ func f0(v float64) string {
 	return groupThousands(fmt.Sprintf("%.0f", v))
 }
 
+// pctDown prints a ratio in per cent to one decimal, rounded down: a figure beside a target
+// ("≥ 95 %") must not print as reaching it when it does not (94.96 % read "95 %" beside
+// "missed" in a committed run).
+func pctDown(ratio float64) string {
+	return fmt.Sprintf("%.1f %%", math.Floor(1000*ratio+1e-9)/10)
+}
+
 func f1(v float64) string {
 	if math.IsNaN(v) {
 		return "–"

@@ -86,8 +86,8 @@ func (b *bench) targets(w *strings.Builder) {
 			for _, x := range ratios {
 				each = append(each, fmt.Sprintf("%.1f", 100*x))
 			}
-			p("| W1 with the web console's overview loaded every second ≥ 97 %% of W1 (issue 21): the median of each run's ratio | %.1f %% (runs, sorted: %s %%); the medians' ratio %s vs %s transitions/s = %.1f %%; CPU %s vs %s ms per 1,000 | %s |\n",
-				100*paired, strings.Join(each, ", "), f0(pc.rate), f0(pe.rate), 100*pc.rate/pe.rate, f1(pc.cpu1k), f1(pe.cpu1k), verdict(paired >= 0.97))
+			p("| W1 with the web console's overview loaded every second ≥ 97 %% of W1 (issue 21): the median of each run's ratio | %s (runs, sorted: %s %%); the medians' ratio %s vs %s transitions/s = %.1f %%; CPU %s vs %s ms per 1,000 | %s |\n",
+				pctDown(paired), strings.Join(each, ", "), f0(pc.rate), f0(pe.rate), 100*pc.rate/pe.rate, f1(pc.cpu1k), f1(pe.cpu1k), verdict(paired >= 0.97))
 		}
 	}
 	for _, wl := range []string{"W1", "W2"} {
@@ -261,12 +261,12 @@ func (b *bench) w5Target(w *strings.Builder) {
 		for _, m := range r.meas {
 			if m.Workload == "W5" && m.System == "pepsi" && m.Err == "" {
 				if b1, ok := byRun[m.Run]; ok {
-					runs = append(runs, fmt.Sprintf("run %d %.0f %%", m.Run, 100*m.rate()/b1))
+					runs = append(runs, fmt.Sprintf("run %d %s", m.Run, pctDown(m.rate()/b1)))
 				}
 			}
 		}
-		p("| %s | %s vs %s = %.0f %% (each run against its W5b: %s) | %s |\n", title, f0(w5.rate), f0(ref.rate),
-			100*w5.rate/ref.rate, strings.Join(runs, "; "), verdict(w5.rate >= 0.95*ref.rate))
+		p("| %s | %s vs %s = %s (each run against its W5b: %s) | %s |\n", title, f0(w5.rate), f0(ref.rate),
+			pctDown(w5.rate/ref.rate), strings.Join(runs, "; "), verdict(w5.rate >= 0.95*ref.rate))
 	}
 	for _, c := range []struct{ wl, what string }{
 		{"W1", "W1's median (its runs half an hour or more before W5's)"},
@@ -321,7 +321,7 @@ func (b *bench) w4Targets(w *strings.Builder) {
 			if !met {
 				mark = " (below)"
 			}
-			runs = append(runs, fmt.Sprintf("run %d: %s against %s / 3 (%.0f %%)%s", m.Run, f0(mr), f0(ref), 300*mr/ref, mark))
+			runs = append(runs, fmt.Sprintf("run %d: %s against %s / 3 (%s)%s", m.Run, f0(mr), f0(ref), pctDown(3*mr/ref), mark))
 		}
 		if n == 0 && len(runs) == 0 {
 			continue
