@@ -273,13 +273,10 @@ def load_config(argv: Optional[Sequence[str]] = None,
     for name in ("PEPSI_MAX_CHILDREN", "PEPSI_MIN_SPAN"):
         text = env.get(name, "")
         if text:
-            # int() only on the digits after leading zeros, and at most 10 of them: past 4,300
-            # digits int() refuses with a message that names no variable.
-            sign = -1 if text.startswith("-") else 1
-            digits = text.lstrip("+-").lstrip("0") or "0"
-            if not _GO_INT.match(text) or len(digits) > 10 or not 1 <= sign * int(digits) <= 2**31 - 1:
+            n = _digits_value(text.lstrip("+-"), 2**31 - 1) if _GO_INT.match(text) else None
+            if n is None or n < 1 or text.startswith("-"):
                 raise ValueError(f"read environment: {name} = {text!r}: want a positive whole number")
-            numbers[name] = sign * int(digits)
+            numbers[name] = n
     cfg = Config(stage=env.get("PEPSI_STAGE", ""), next=_fields(env.get("PEPSI_NEXT", "")), dsn=dsn,
                  config_file=config_file, max_children=numbers.get("PEPSI_MAX_CHILDREN", 0),
                  min_span=numbers.get("PEPSI_MIN_SPAN", 0), fuse=_parse_fuse(env.get("PEPSI_FUSE", "")))
@@ -595,13 +592,18 @@ def _parse_id(line: bytes) -> Optional[int]:
     text = line.strip(b" \t\r\x0b\x0c")
     if not text.isdigit():  # bytes.isdigit(): ASCII digits only
         return None
-    # The length check keeps int() off a line of thousands of digits: past 4,300 Python
-    # refuses to convert, and the worker died of it.
-    text = text.lstrip(b"0") or b"0"
-    if len(text) > 19:
+    return _digits_value(text.decode("ascii"), _MAX_ID)
+
+
+def _digits_value(digits: str, most: int) -> Optional[int]:
+    """The value of ASCII digits (any number of leading zeros), or None past most. int() sees
+    only the digits after the zeros, and no more of them than most has: past 4,300 digits
+    int() raises (Python 3.11), which killed a worker on a long id line."""
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > len(str(most)):
         return None
-    n = int(text)
-    return n if n <= _MAX_ID else None
+    n = int(digits)
+    return n if n <= most else None
 
 
 class _Batch:

@@ -84,17 +84,27 @@ var (
 	pyErr  error
 )
 
+// pythonAndSDK is the interpreter the tests run Python with (PYTHON, as in the Makefile:
+// Debian's, where python3-psycopg is) and the directory of the Python SDK, for PYTHONPATH.
+func pythonAndSDK() (python, dir string, err error) {
+	dir, err = filepath.Abs("../python")
+	if err != nil {
+		return "", "", fmt.Errorf("find the Python SDK (../python): %w", err)
+	}
+	python = os.Getenv("PYTHON")
+	if python == "" {
+		python = "/usr/bin/python3"
+	}
+	return python, dir, nil
+}
+
 func pythonSDK(t testing.TB) *pySDK {
 	t.Helper()
 	pyOnce.Do(func() {
-		dir, err := filepath.Abs("../python")
+		python, dir, err := pythonAndSDK()
 		if err != nil {
-			pyErr = fmt.Errorf("find the Python SDK (../python): %w", err)
+			pyErr = err
 			return
-		}
-		python := os.Getenv("PYTHON") // as in the Makefile: Debian's, where python3-psycopg is
-		if python == "" {
-			python = "/usr/bin/python3"
 		}
 		cmd := exec.Command(python, "-c", pyLoadConfig)
 		cmd.Env = append(os.Environ(), "PYTHONPATH="+dir, "PYTHONIOENCODING=utf-8")

@@ -13,7 +13,6 @@ import (
 	"math/rand"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -33,13 +32,9 @@ func runStages(t *testing.T, goSch, pySch *schema, in []byte) (goOut, pyOut []st
 	if err != nil {
 		t.Fatalf("find the test binary (the Go stage program): %v", err)
 	}
-	dir, err := filepath.Abs("../python")
+	python, dir, err := pythonAndSDK()
 	if err != nil {
-		t.Fatalf("find the Python SDK (../python): %v", err)
-	}
-	python := os.Getenv("PYTHON") // as in the Makefile: Debian's, where python3-psycopg is
-	if python == "" {
-		python = "/usr/bin/python3"
+		t.Fatal(err)
 	}
 	run := func(cmd *exec.Cmd, sch *schema, env ...string) []string {
 		cmd.Env = append(os.Environ(), "PEPSI_STAGE=a", "PEPSI_NEXT=b", "PEPSI_DSN="+sch.dsn)

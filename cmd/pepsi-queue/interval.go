@@ -64,7 +64,7 @@ func (iv *interval) add(n, unit string) bool {
 		return true
 	}
 	i, err := strconv.ParseInt(n, 10, 64)
-	if err != nil || !integerRe.MatchString(n) {
+	if err != nil { // base 10: a sign and digits, nothing else
 		return false
 	}
 	switch unit {
@@ -85,7 +85,6 @@ func (iv *interval) add(n, unit string) bool {
 }
 
 var (
-	integerRe = regexp.MustCompile(`^[-+]?[0-9]+$`)
 	decimalRe = regexp.MustCompile(`^[-+]?[0-9]+(?:\.[0-9]+)?$`)
 	// clockRe is the time of day of postgres and sql_standard: [sign]H:MM:SS[.frac], hours unbounded.
 	clockRe = regexp.MustCompile(`^([-+]?)([0-9]+):([0-9]{2}):([0-9]{2}(?:\.[0-9]+)?)$`)
@@ -170,7 +169,7 @@ func (iv *interval) sqlStandard(s string) bool {
 	f := strings.Split(s, " ")
 	if len(f) == 3 {
 		ym, ok := yearMonth(f[0])
-		if !ok || !integerRe.MatchString(f[1]) || (f[0][0] != '+' && f[0][0] != '-') {
+		if !ok || (f[0][0] != '+' && f[0][0] != '-') {
 			return false
 		}
 		d, err := strconv.ParseInt(f[1], 10, 64)
@@ -199,7 +198,7 @@ func (iv *interval) sqlStandard(s string) bool {
 		return iv.clock(f[0], float64(sign))
 	case 2:
 		d, err := strconv.ParseUint(f[0], 10, 63)
-		if err != nil || !integerRe.MatchString(f[0]) {
+		if err != nil {
 			return false
 		}
 		iv.days = sign * int64(d)
@@ -223,7 +222,7 @@ func yearMonth(s string) (int64, bool) {
 	}
 	yi, err1 := strconv.ParseUint(y, 10, 31)
 	mi, err2 := strconv.ParseUint(m, 10, 31)
-	if err1 != nil || err2 != nil || !integerRe.MatchString(y) || !integerRe.MatchString(m) || mi > 11 {
+	if err1 != nil || err2 != nil || mi > 11 {
 		return 0, false
 	}
 	return sign * (int64(yi)*12 + int64(mi)), true

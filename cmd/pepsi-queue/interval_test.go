@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"database/sql"
 	"encoding/json"
@@ -115,14 +114,11 @@ func TestAgesUnderEveryIntervalStyle(t *testing.T) {
 		dsn := strings.Replace(s.dsn, "options='", "options='-c IntervalStyle="+style+" ", 1)
 		pepsiQueue := func(args ...string) result { // the command, its DSN with the style
 			t.Helper()
-			t.Setenv("PEPSI_DSN", dsn)
-			var out, errOut bytes.Buffer
-			code := run(context.Background(), append([]string{"-c", "/nonexistent/pepsi.conf"}, args...),
-				strings.NewReader(""), &out, &errOut)
-			if code != 0 {
-				t.Fatalf("IntervalStyle %s: pepsi-queue %v: exit %d: %s", style, args, code, errOut.String())
+			r := pqWith(t, dsn, "", args...)
+			if r.code != 0 {
+				t.Fatalf("IntervalStyle %s: pepsi-queue %v: exit %d: %s", style, args, r.code, r.stderr)
 			}
-			return result{code, out.String(), errOut.String()}
+			return r
 		}
 		for _, c := range []struct {
 			args []string

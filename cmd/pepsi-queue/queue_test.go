@@ -87,7 +87,13 @@ type result struct {
 // pq runs pepsi-queue in process against s with args, stdin as standard input.
 func (s *qschema) pq(t *testing.T, stdin string, args ...string) result {
 	t.Helper()
-	t.Setenv("PEPSI_DSN", s.dsn)
+	return pqWith(t, s.dsn, stdin, args...)
+}
+
+// pqWith runs pepsi-queue in process on the database dsn.
+func pqWith(t *testing.T, dsn, stdin string, args ...string) result {
+	t.Helper()
+	t.Setenv("PEPSI_DSN", dsn)
 	var out, errOut bytes.Buffer
 	code := run(context.Background(), append([]string{"-c", "/nonexistent/pepsi.conf"}, args...),
 		strings.NewReader(stdin), &out, &errOut)
