@@ -1,21 +1,31 @@
 // retention.go: deleting old done rows, a little at a time, when the pipeline is idle.
 //
 // With RETENTION set, done and cancelled rows that finished (status_at) longer ago than that
-// are deleted in batches of retentionBatch, only while nothing is in flight, at most
-// retentionBatches per turn and one turn per retentionEvery. Rows are walked in id order from a
-// cursor kept in memory, so a turn does not rescan what the previous one deleted; a batch that
-// finds fewer rows than it may delete has reached the end, and the walk starts over next turn.
-// Failed rows are kept until a person acts (pepsi-queue delete); children of fan-out groups
-// that are still open are never touched (their parent still needs them, and the fan-in
-// trigger refuses it anyway).
+// are deleted, only while nothing is in flight, one turn per retentionEvery. A turn walks the
+// table in id order from a cursor kept in memory, so it does not rescan what the previous one
+// looked at: each statement looks at the next retentionWindow rows (twice retentionBatch
+// after one that deleted a whole batch: old rows are dense there) and deletes up to
+// retentionBatch of them, at most retentionBatches statements per turn. Failed rows are kept
+// until a person acts (pepsi-queue delete); children of fan-out groups that are still open
+// are never touched (their parent still needs them, and the fan-in trigger refuses it anyway).
+//
+// Where a walk stops. A row's status_at is never before its created_at, and ids are given in
+// insert order, so once a walk meets a window of rows that were all created less than
+// RETENTION ago (a stretch of 2,000 rows at least), the rows after them finished later still:
+// the walk stops there and starts over from the beginning next turn. An idle dispatcher so
+// looks at the old rows it keeps (failed ones, say) and a window or two of young ones each
+// minute. It once walked on to the end of the table every minute: about 120 ms per million
+// rows here when nothing was old enough, and on a table large enough, past the statement
+// budget every minute. Rows whose ids are out of time order (an id or created_at the
+// producer gave, a transaction open for longer than RETENTION) can lie beyond that stop, so
+// a full walk, which goes on to the end of the table, comes first after the start and then
+// once every retentionFullEvery.
 //
 // A turn runs in the background on a pooled connection, like the fan-in sweep, and the
 // coordinator cancels it as soon as it has messages in flight again. It once ran on the
-// coordinator's goroutine: nothing was claimed while it ran, which is as long as a walk over
-// the whole table when no row is old enough yet (about 120 ms per million rows here, each
-// minute), or the statement budget when a delete waited for a lock (an application's row
-// referencing a message, ON DELETE SET NULL, held by an open transaction:
-// TestRetentionBlockedClaimsGoOn).
+// coordinator's goroutine: nothing was claimed while it ran, which is as long as the statement
+// budget when a delete waited for a lock (an application's row referencing a message, ON
+// DELETE SET NULL, held by an open transaction: TestRetentionBlockedClaimsGoOn).
 
 package main
 
@@ -27,14 +37,21 @@ import (
 )
 
 const (
-	retentionBatch   = 1000
-	retentionBatches = 20
-	retentionEvery   = time.Minute
+	retentionBatch     = 1000           // rows one statement deletes, at most
+	retentionWindow    = 50_000         // rows one statement looks at, at most
+	retentionBatches   = 20             // statements per turn, at most
+	retentionEvery     = time.Minute    // one turn per
+	retentionFullEvery = 24 * time.Hour // a full walk per (see the file's comment)
 )
 
-// retentionSQL deletes up to $3 done or cancelled rows that finished more than $1 seconds ago
-// (status_at; rows from before that column existed count from created_at), after id $2; it
-// returns how many and the last id.
+// retentionSQL looks at up to $4 rows after id $2 (the window) and deletes up to $3 of them,
+// the done or cancelled rows that finished more than $1 seconds ago (status_at; rows from
+// before that column existed count from created_at). It returns how many it deleted and the
+// last of them, how many rows it looked at and the last of those, and whether every one of
+// them was created less than $1 seconds ago.
+//
+// The window is read once (its CTE is used twice, so PostgreSQL materializes it), and only
+// the rows it found old enough are read again, by primary key, to be locked and deleted.
 //
 // The pick locks what it picks (FOR UPDATE) and passes over rows another transaction holds
 // (SKIP LOCKED): the next walk comes back to them. Without the lock, the DELETE re-checked
@@ -45,9 +62,19 @@ const (
 // waiting: a held row (an operator's open transaction, an application's FOR KEY SHARE) would
 // otherwise stop the whole batch for the statement budget, and every minute again.
 const retentionSQL = `
-WITH doomed AS (
+WITH win AS (
+    SELECT w.workqueue_id,
+           w.status IN ('done', 'cancelled')
+             AND coalesce(w.status_at, w.created_at) < now() - make_interval(secs => $1) AS old,
+           w.created_at >= now() - make_interval(secs => $1) AS young
+      FROM workqueue w
+     WHERE w.workqueue_id > $2
+     ORDER BY w.workqueue_id
+     LIMIT $4
+), doomed AS (
     SELECT w.workqueue_id FROM workqueue w
-     WHERE w.workqueue_id > $2 AND w.status IN ('done', 'cancelled')
+     WHERE w.workqueue_id = ANY (ARRAY(SELECT workqueue_id FROM win WHERE old))
+       AND w.status IN ('done', 'cancelled')
        AND coalesce(w.status_at, w.created_at) < now() - make_interval(secs => $1)
        AND (w.fanout_id IS NULL OR NOT EXISTS (
              SELECT 1 FROM fanout f WHERE f.fanout_id = w.fanout_id AND f.state = 'open'))
@@ -58,42 +85,79 @@ WITH doomed AS (
     DELETE FROM workqueue q USING doomed WHERE q.workqueue_id = doomed.workqueue_id
     RETURNING q.workqueue_id
 )
-SELECT count(*), coalesce(max(workqueue_id), 0) FROM gone`
+SELECT (SELECT count(*) FROM gone), (SELECT coalesce(max(workqueue_id), 0) FROM gone),
+       count(*), coalesce(max(workqueue_id), 0), coalesce(bool_and(young), false)
+  FROM win`
+
+// retentionWalk is what a turn does: the age of the rows it deletes, whether it is a full
+// walk, and its sizes (the constants above; the tests' are smaller).
+type retentionWalk struct {
+	age                    time.Duration
+	full                   bool // go on to the end of the table, past windows of young rows
+	batch, window, batches int
+}
 
 // retainer is the retention's state; owned by the coordinator. While a turn runs, the
 // cursor is the goroutine's: it comes back with the turn's result.
 type retainer struct {
-	age     time.Duration
-	cursor  int64
-	running bool               // a turn runs in the background
-	stopped bool               // ... and the coordinator has cancelled it
-	stop    context.CancelFunc // cancels the running turn
+	age      time.Duration
+	cursor   int64              // where the walk under way goes on; 0: the next turn starts one
+	full     bool               // the walk under way is a full one
+	lastFull time.Time          // when the last full walk reached the end of the table
+	running  bool               // a turn runs in the background
+	stopped  bool               // ... and the coordinator has cancelled it
+	stop     context.CancelFunc // cancels the running turn
 }
 
 // retentionDone is a turn's result, sent by the goroutine that ran it.
 type retentionDone struct {
-	n      int64 // rows deleted, by the batches that committed
-	cursor int64 // where the next turn starts
+	n      int64 // rows deleted, by the statements that committed
+	cursor int64 // where the next turn goes on; 0: the walk ended
 	err    error
 }
 
-// retentionTurn deletes up to retentionBatches batches from cursor on; it returns the rows
-// deleted and where the next turn starts (after the last batch that committed).
-func retentionTurn(ctx context.Context, db *sql.DB, age time.Duration, cursor int64) (int64, int64, error) {
+// retentionTurn runs up to w.batches statements from cursor on; it returns the rows deleted
+// and where the next turn goes on (after the last statement that committed; 0 when the walk
+// ended).
+func retentionTurn(ctx context.Context, db *sql.DB, w retentionWalk, cursor int64) (int64, int64, error) {
 	var total int64
-	for i := 0; i < retentionBatches; i++ {
-		var n, last int64
-		err := db.QueryRowContext(ctx, retentionSQL, age.Seconds(), cursor, retentionBatch).Scan(&n, &last)
+	window := w.window
+	for i := 0; i < w.batches; i++ {
+		var n, lastGone, looked, lastLooked int64
+		var young bool
+		err := db.QueryRowContext(ctx, retentionSQL, w.age.Seconds(), cursor, w.batch, window).
+			Scan(&n, &lastGone, &looked, &lastLooked, &young)
 		if err != nil {
-			return total, cursor, fmt.Errorf("retention: delete done rows older than %v: %w", age, err)
+			return total, cursor, fmt.Errorf("retention: delete done rows older than %v: %w", w.age, err)
 		}
 		total += n
-		if n < retentionBatch {
-			return total, 0, nil // reached rows too young (or the end): start over next turn
+		switch {
+		case n == int64(w.batch):
+			// The window may hold more rows old enough, and they are dense here: the next
+			// statement looks at twice a batch, not at a whole window again for one batch.
+			cursor, window = lastGone, min(w.window, 2*w.batch)
+		case looked < int64(window) || young && !w.full:
+			return total, 0, nil // the end of the table, or of the rows old enough: start over next turn
+		default:
+			cursor, window = lastLooked, w.window
 		}
-		cursor = last
 	}
 	return total, cursor, nil
+}
+
+// nextWalk is the walk the next turn makes at now: the one under way, or a new one from the
+// start of the table, full when no full walk has ended in the last retentionFullEvery (and so
+// the first after the start).
+func (r *retainer) nextWalk(now time.Time) retentionWalk {
+	if r.cursor == 0 {
+		r.full = r.lastFull.IsZero() || now.Sub(r.lastFull) >= retentionFullEvery
+	}
+	return walkOf(r.age, r.full)
+}
+
+// walkOf is a walk with the daemon's sizes.
+func walkOf(age time.Duration, full bool) retentionWalk {
+	return retentionWalk{age: age, full: full, batch: retentionBatch, window: retentionWindow, batches: retentionBatches}
 }
 
 // startRetention runs a turn in the background, within one statement budget.
@@ -101,10 +165,10 @@ func (c *coordinator) startRetention() {
 	r := c.retain
 	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
 	r.running, r.stopped, r.stop = true, false, cancel
-	age, cursor := r.age, r.cursor
+	walk, cursor := r.nextWalk(time.Now()), r.cursor
 	c.inBackground(func() event {
 		defer cancel()
-		n, next, err := retentionTurn(ctx, c.db, age, cursor)
+		n, next, err := retentionTurn(ctx, c.db, walk, cursor)
 		return retentionDone{n: n, cursor: next, err: err}
 	})
 }
@@ -125,7 +189,7 @@ func (c *coordinator) retaining() bool { return c.retain != nil && c.retain.runn
 func (c *coordinator) onRetained(ev retentionDone) {
 	r := c.retain
 	r.running = false
-	r.cursor = ev.cursor
+	r.ended(ev, time.Now())
 	switch {
 	case ev.err != nil && r.stopped:
 		c.log.Debug("retention turn stopped: messages in flight, or a shutdown", "rows", ev.n)
@@ -135,4 +199,13 @@ func (c *coordinator) onRetained(ev retentionDone) {
 	if ev.n > 0 {
 		c.log.Info("retention: deleted old done rows", "rows", ev.n, "older_than", r.age)
 	}
+}
+
+// ended records where a turn left the walk: a full walk that reached the end of the table
+// is the last full walk.
+func (r *retainer) ended(ev retentionDone, now time.Time) {
+	if ev.err == nil && ev.cursor == 0 && r.full {
+		r.lastFull = now
+	}
+	r.cursor = ev.cursor
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"strings"
 	"testing"
 	"time"
@@ -38,7 +39,7 @@ func TestRetentionRetryCommittedMeanwhile(t *testing.T) {
 	}
 	turned := make(chan result, 1)
 	go func() {
-		n, _, err := retentionTurn(context.Background(), s.DB, 7*24*time.Hour, 0)
+		n, _, err := retentionTurn(context.Background(), s.DB, walkOf(7*24*time.Hour, false), 0)
 		turned <- result{n, err}
 	}()
 	var got *result
@@ -125,4 +126,150 @@ func TestRetentionBlockedClaimsGoOn(t *testing.T) {
 	t.Logf("5 messages done %v after they were enqueued, while the turn waited", took.Round(time.Millisecond))
 	tx.Rollback()
 	d.stop()
+}
+
+// TestRetentionStopsAtYoungRows: 20,000 old done rows, then 250,000 young ones. A walk
+// deletes the old ones and stops at the first window of young rows, not at the end of the
+// table, and does not look at a whole window again for each batch of old ones; a row whose
+// id is out of time order (finished long ago, inserted last) is left to the full walk, which
+// goes on to the end of the table and deletes it. The rows looked at are PostgreSQL's count of
+// heap rows fetched through an index on the table.
+func TestRetentionStopsAtYoungRows(t *testing.T) {
+	const old, young = 20_000, 250_000
+	s := newTestSchema(t)
+	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at)
+		SELECT 'zz', 'done', now() - interval '10 days', now() - interval '9 days' FROM generate_series(1, $1)`, old)
+	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'zz', 'done' FROM generate_series(1, $1)`, young)
+	straggler := int64(s.count(t, `INSERT INTO workqueue (stage, status, created_at, status_at)
+		VALUES ('zz', 'done', now() - interval '10 days', now() - interval '9 days') RETURNING workqueue_id`))
+	s.exec(t, `ANALYZE workqueue`)
+
+	// One connection, so that its statistics can be flushed on demand (pg_stat_force_next_flush:
+	// the backend sends them before it answers the next statement is ready).
+	db, err := sql.Open("postgres", s.DSN)
+	if err != nil {
+		t.Fatalf("open the turn's pool: %v", err)
+	}
+	defer db.Close()
+	db.SetMaxOpenConns(1)
+	fetched := func() int {
+		if _, err := db.Exec(`SELECT pg_stat_force_next_flush()`); err != nil {
+			t.Fatalf("flush the turn's statistics: %v", err)
+		}
+		return s.count(t, `SELECT coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables WHERE relid = 'workqueue'::regclass`)
+	}
+	turn := func(full bool) (int64, int) {
+		before := fetched()
+		w := walkOf(7*24*time.Hour, full)
+		var total int64
+		for cursor, turns := int64(0), 0; ; turns++ {
+			if turns == 100 {
+				t.Fatalf("the walk (full %v) did not end in 100 turns", full)
+			}
+			n, next, err := retentionTurn(context.Background(), db, w, cursor)
+			if err != nil {
+				t.Fatalf("retention turn: %v", err)
+			}
+			if total += n; next == 0 {
+				break
+			}
+			cursor = next
+		}
+		return total, fetched() - before
+	}
+
+	n, looked := turn(false)
+	if n != old {
+		t.Errorf("the walk deleted %d rows, want the %d old ones at the start", n, old)
+	}
+	// Each old row is fetched about four times: in a window of twice a batch (two per row
+	// deleted), again to be locked, and by the DELETE; and two whole windows: the first, and
+	// the one of young rows that ends the walk. Looking at a whole window for each batch would
+	// be 21 windows; walking on to the end of the table, the whole table. (1,000: the test's own
+	// lookups.)
+	if most := 4*old + 2*retentionWindow + 1000; looked > most {
+		t.Errorf("the walk looked at %d rows of %d, want at most %d: it stops at the first window of young rows",
+			looked, old+young+1, most)
+	}
+	if s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1`, straggler) != 1 {
+		t.Errorf("the walk deleted the row past the young ones; only a full walk goes there")
+	}
+	t.Logf("a walk looked at %d rows of %d", looked, old+young+1)
+
+	n, looked = turn(true)
+	if n != 1 || s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1`, straggler) != 0 {
+		t.Errorf("the full walk deleted %d rows, want 1: the row past the young ones", n)
+	}
+	if looked < young {
+		t.Errorf("the full walk looked at %d rows, want the whole table (%d)", looked, young+1)
+	}
+	if left := s.count(t, `SELECT count(*) FROM workqueue`); left != young {
+		t.Errorf("%d rows left, want the %d young ones", left, young)
+	}
+}
+
+// TestRetentionWalkAcrossTurns: small windows over a table of old failed rows, then old done
+// and cancelled rows, then young ones and an old done row inserted last. Turns carry the walk
+// on from where the last one stopped, so the old done rows behind the failed ones go, the
+// failed and young ones stay; walks stop at the young rows, so the row inserted last stays
+// until the day's full walk (the first after the start is one), which deletes it.
+func TestRetentionWalkAcrossTurns(t *testing.T) {
+	s := newTestSchema(t)
+	old := `now() - interval '10 days', now() - interval '9 days'`
+	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at) SELECT 'zz', 'failed', `+old+` FROM generate_series(1, 37)`)
+	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at) SELECT 'zz', st, `+old+`
+		FROM generate_series(1, 13), unnest(ARRAY['done', 'cancelled']) st`)
+	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'zz', 'done' FROM generate_series(1, 40)`)
+	last := int64(s.count(t, `INSERT INTO workqueue (stage, status, created_at, status_at) VALUES ('zz', 'done', `+old+`) RETURNING workqueue_id`))
+
+	start := time.Now()
+	r := &retainer{age: 7 * 24 * time.Hour, lastFull: start} // a full walk has just ended
+	run := func(now time.Time) (walks int, full []bool) {
+		for turns := 0; walks < 2; turns++ {
+			if turns == 50 {
+				t.Fatalf("two walks did not end in 50 turns")
+			}
+			w := r.nextWalk(now)
+			w.batch, w.window, w.batches = 4, 10, 2
+			if r.cursor == 0 {
+				full = append(full, w.full)
+			}
+			n, next, err := retentionTurn(context.Background(), s.DB, w, r.cursor)
+			r.ended(retentionDone{n: n, cursor: next, err: err}, now)
+			if err != nil {
+				t.Fatalf("retention turn: %v", err)
+			}
+			if next == 0 {
+				walks++
+			}
+		}
+		return walks, full
+	}
+
+	_, full := run(start.Add(time.Minute))
+	if full[0] || full[1] {
+		t.Errorf("walks within a day of the last full one: full %v, want none", full)
+	}
+	for st, want := range map[string]int{"failed": 37, "done": 41, "cancelled": 0} {
+		if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status = $1`, st); n != want {
+			t.Errorf("%d %s rows left after two walks, want %d", n, st, want)
+		}
+	}
+	if s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1`, last) != 1 {
+		t.Errorf("a walk deleted the old row inserted last, past the young ones: only a full walk goes there")
+	}
+
+	_, full = run(start.Add(retentionFullEvery))
+	if !full[0] || full[1] {
+		t.Errorf("walks a day after the last full one: full %v, want the first only", full)
+	}
+	if s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1`, last) != 0 {
+		t.Errorf("the full walk left the old row inserted last")
+	}
+	if n := s.count(t, `SELECT count(*) FROM workqueue`); n != 37+40 {
+		t.Errorf("%d rows left, want the 37 failed and 40 young ones", n)
+	}
+	if !(&retainer{}).nextWalk(start).full {
+		t.Errorf("the first walk after the start is not a full one")
+	}
 }
