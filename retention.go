@@ -51,7 +51,9 @@ const (
 // them was created less than $1 seconds ago.
 //
 // The window is read once (its CTE is used twice, so PostgreSQL materializes it), and only
-// the rows it found old enough are read again, by primary key, to be locked and deleted.
+// the rows it found old enough are read again, by primary key, to be locked and deleted. The
+// pick repeats the window's conditions: they are what the lock checks again on a row that
+// changed after the statement's snapshot (below).
 //
 // The pick locks what it picks (FOR UPDATE) and passes over rows another transaction holds
 // (SKIP LOCKED): the next walk comes back to them. Without the lock, the DELETE re-checked

@@ -145,7 +145,7 @@ func TestRetentionStopsAtYoungRows(t *testing.T) {
 	s.exec(t, `ANALYZE workqueue`)
 
 	// One connection, so that its statistics can be flushed on demand (pg_stat_force_next_flush:
-	// the backend sends them before it answers the next statement is ready).
+	// the backend sends them before it reports that it is ready for the next statement).
 	db, err := sql.Open("postgres", s.DSN)
 	if err != nil {
 		t.Fatalf("open the turn's pool: %v", err)
@@ -185,8 +185,8 @@ func TestRetentionStopsAtYoungRows(t *testing.T) {
 	// Each old row is fetched about four times: in a window of twice a batch (two per row
 	// deleted), again to be locked, and by the DELETE; and two whole windows: the first, and
 	// the one of young rows that ends the walk. Looking at a whole window for each batch would
-	// be 21 windows; walking on to the end of the table, the whole table. (1,000: the test's own
-	// lookups.)
+	// be 21 windows; walking on to the end of the table, the whole table. 1,000 to spare for
+	// the test's own lookups.
 	if most := 4*old + 2*retentionWindow + 1000; looked > most {
 		t.Errorf("the walk looked at %d rows of %d, want at most %d: it stops at the first window of young rows",
 			looked, old+young+1, most)
