@@ -159,7 +159,8 @@ func f0(v float64) string {
 
 // pctDown prints a ratio in per cent to one decimal, rounded down: a figure beside a target
 // ("≥ 95 %") must not print as reaching it when it does not (94.96 % read "95 %" beside
-// "missed" in a committed run).
+// "missed" in a committed run). The 1e-9 is for ratios whose thousandths are whole: 1.001 is
+// 1000.999… thousandths in binary, and would print 100.0 % without it (TestPctDown).
 func pctDown(ratio float64) string {
 	return fmt.Sprintf("%.1f %%", math.Floor(1000*ratio+1e-9)/10)
 }

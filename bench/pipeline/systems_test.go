@@ -235,3 +235,12 @@ func TestAutovacuumInThroughput(t *testing.T) {
 		t.Errorf("autovacuumInThroughput = %d of %d %q, want 1 of 3 %q", busy, of, what, want)
 	}
 }
+
+// TestPctDown: rounded down to one decimal, and not one thousandth lower by binary rounding.
+func TestPctDown(t *testing.T) {
+	for ratio, want := range map[float64]string{0.9496: "94.9 %", 0.95: "95.0 %", 1.001: "100.1 %", 1.125: "112.5 %"} {
+		if got := pctDown(ratio); got != want {
+			t.Errorf("pctDown(%v) = %q, want %q", ratio, got, want)
+		}
+	}
+}
