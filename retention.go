@@ -103,7 +103,7 @@ type retentionWalk struct {
 // cursor is the goroutine's: it comes back with the turn's result.
 type retainer struct {
 	age      time.Duration
-	cursor   int64              // where the walk under way goes on; 0: the next turn starts one
+	cursor   int64              // where the walk under way goes on; 0: the next turn starts one (ids are positive: schema.sql)
 	full     bool               // the walk under way is a full one
 	lastFull time.Time          // when the last full walk reached the end of the table
 	running  bool               // a turn runs in the background

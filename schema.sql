@@ -274,3 +274,35 @@ END $$;
 --                operator_log, error signatures
 \ir fanin.sql
 \ir operate.sql
+
+-- Ids are positive. Every walk over these tables by id starts after 0 (retention.go's,
+-- queue_select's pages, fanin_sweep's), and the SDKs read an id line as digits, so a row
+-- given an id of 0 or below by hand was never deleted, listed or acted on by filter, and
+-- failed at every stage as "bad message id". The identities give 1 and up; an INSERT that
+-- gives its own id is refused below 1. A database made before this rule gets it here, after
+-- one scan of each table that does not block writes (NOT VALID, then VALIDATE); one that
+-- holds such rows is refused with their count, and gets the rule when this file is applied
+-- again once they have new ids or are gone.
+DO $$
+DECLARE
+    t text;
+    n bigint;
+BEGIN
+    FOREACH t IN ARRAY ARRAY['workqueue', 'fanout'] LOOP
+        IF NOT EXISTS (SELECT 1 FROM pg_constraint
+                        WHERE conrelid = t::regclass AND conname = t || '_id_positive') THEN
+            EXECUTE format('ALTER TABLE %I ADD CONSTRAINT %I CHECK (%I > 0) NOT VALID',
+                           t, t || '_id_positive', t || '_id');
+        END IF;
+        BEGIN
+            EXECUTE format('ALTER TABLE %I VALIDATE CONSTRAINT %I', t, t || '_id_positive');
+        EXCEPTION WHEN check_violation THEN
+            EXECUTE format('SELECT count(*) FROM %I WHERE %I <= 0', t, t || '_id') INTO n;
+            RAISE EXCEPTION '% rows of % have an id of 0 or below, which pepsi cannot walk to', n, t
+                USING ERRCODE = 'check_violation',
+                      HINT = format('SELECT * FROM %I WHERE %I <= 0 lists them: give them ids above 0 '
+                                    '(and the rows that name them, too) or delete them, then apply '
+                                    'schema.sql again', t, t || '_id');
+        END;
+    END LOOP;
+END $$;
