@@ -191,11 +191,11 @@ func (b *haBoard) writeHA(p *promWriter) {
 		}
 		p.sample("pepsi_lock_role", "gauge", "1 for the dispatcher's role: active holds the single-instance lock; "+
 			"standby waits for it; waiting has no writable server; relocking lost its lock connection.",
-			fmt.Sprintf("role=%q", r), v)
+			label("role", r), v)
 	}
 	p.sample("pepsi_lock_role_since_seconds", "gauge", "When the dispatcher entered its role (Unix time).", "", s.since.Unix())
 	if s.server != "" {
-		p.sample("pepsi_database_server_info", "gauge", "The server the lock session is on.", fmt.Sprintf("server=%q", s.server), 1)
+		p.sample("pepsi_database_server_info", "gauge", "The server the lock session is on.", label("server", s.server), 1)
 	}
 	p.sample("pepsi_reconciles_total", "counter", "Reconciles of the table with memory after a re-lock.", "", s.reconciles)
 	p.sample("pepsi_reconcile_reset_total", "counter", "Running rows no worker held, put back to pending by a reconcile.", "", s.reset)

@@ -174,11 +174,20 @@ func counterValue(def counterDef, v int64) any {
 	return v
 }
 
-func stageLabel(name string) string { return fmt.Sprintf("stage=%q", name) }
+func stageLabel(name string) string { return label("stage", name) }
+
+// promEscaper escapes a label value as the exposition format asks: a backslash, a double
+// quote and a line feed, and nothing else. Not Go's %q: it also writes \t, \x1b or \u202e,
+// which Prometheus refuses, so one row at a stage named with a tab (a producer can insert any
+// stage name) made the whole scrape fail (TestMetricsOddStageNames).
+var promEscaper = strings.NewReplacer(`\`, `\\`, `"`, `\"`, "\n", `\n`)
+
+// label is one label of a sample, name="value".
+func label(name, value string) string { return name + `="` + promEscaper.Replace(value) + `"` }
 
 func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 	p := &promWriter{w: w, seen: map[string]bool{}}
-	p.sample("pepsi_build_info", "gauge", "Version of the running pepsi-dispatch.", fmt.Sprintf("version=%q", m.version), 1)
+	p.sample("pepsi_build_info", "gauge", "Version of the running pepsi-dispatch.", label("version", m.version), 1)
 	if s := m.snap.Load(); s != nil {
 		p.sample("pepsi_start_time_seconds", "gauge", "When this dispatcher started (Unix time).", "", s.started.Unix())
 		p.sample("pepsi_instance_epoch", "gauge", "Start number of this dispatcher in dispatch_instance.", "", s.epoch)
@@ -286,7 +295,7 @@ func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter
 	for _, stage := range names {
 		for _, status := range rowStatuses {
 			p.sample("pepsi_rows", "gauge", "Rows per stage and status (done and cancelled rows are not counted).",
-				fmt.Sprintf("stage=%q,status=%q", stage, status), counts[key{stage, status}])
+				label("stage", stage)+","+label("status", status), counts[key{stage, status}])
 		}
 	}
 	for _, stage := range names {
