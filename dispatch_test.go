@@ -17,6 +17,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/lib/pq"
 )
@@ -215,7 +216,8 @@ func TestParseReply(t *testing.T) {
 
 // FuzzReply covers the whole grammar: the status, and on success the outcome words.
 func FuzzReply(f *testing.F) {
-	for _, s := range []string{"0", "1 reason", "garbage", "0 fused=b:3,c:4 done", "", "0 fused=b:x,c:1", "0 done done fused="} {
+	for _, s := range []string{"0", "1 reason", "garbage", "0 fused=b:3,c:4 done", "", "0 fused=b:x,c:1", "0 done done fused=",
+		"1 caf\xe9", "1 a\x00b", "1 " + strings.Repeat("€", 700)} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, line string) {
@@ -263,6 +265,16 @@ func FuzzReply(f *testing.F) {
 			if !strings.HasPrefix(m, "fused=") || !slices.Contains(words, m) {
 				t.Fatalf("malformed word %q not a fused= word of %q", m, line)
 			}
+		}
+		// What a failure's text becomes in state.dispatch_error is text PostgreSQL takes:
+		// UTF-8, no NUL, within the bound (and its mark of a cut); a text that was all that
+		// already, and short enough, is kept as it is.
+		stored := storableReason(r.text)
+		if !utf8.ValidString(stored) || strings.IndexByte(stored, 0) >= 0 || len(stored) > reasonMaxBytes+len("…") {
+			t.Fatalf("reason %q stored as %q: not UTF-8, a NUL, or %d bytes", r.text, stored, len(stored))
+		}
+		if utf8.ValidString(r.text) && strings.IndexByte(r.text, 0) < 0 && len(r.text) <= reasonMaxBytes && stored != r.text {
+			t.Fatalf("reason %q stored as %q: changed", r.text, stored)
 		}
 	})
 }

@@ -8,6 +8,7 @@ import (
 	"bufio"
 	"context"
 	"database/sql"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"maps"
@@ -23,7 +24,8 @@ import (
 // rawWorker is a stage without the SDK that misbehaves as a message's payload asks:
 // {"garbage": true} answers a line that is not a status; {"commit_then_crash": true} commits
 // the message's outcome and dies before answering; {"spawn_and_hang": true} starts a child
-// process (recorded in runs with stage 'child') and never answers. Other messages finish.
+// process (recorded in runs with stage 'child') and never answers; {"reply_hex": H} answers
+// the bytes H (in hex) as its line, without a write. Other messages finish.
 func rawWorker() int {
 	db, err := sql.Open("postgres", os.Getenv("PEPSI_DSN"))
 	if err != nil {
@@ -42,14 +44,19 @@ func rawWorker() int {
 			return 1
 		}
 		var b struct {
-			Garbage         bool `json:"garbage"`
-			CommitThenCrash bool `json:"commit_then_crash"`
-			SpawnAndHang    bool `json:"spawn_and_hang"`
+			Garbage         bool   `json:"garbage"`
+			CommitThenCrash bool   `json:"commit_then_crash"`
+			SpawnAndHang    bool   `json:"spawn_and_hang"`
+			ReplyHex        string `json:"reply_hex"`
 		}
 		json.Unmarshal(payload, &b)
 		switch {
 		case b.Garbage:
 			fmt.Println("this is not a status")
+			continue
+		case b.ReplyHex != "":
+			line, _ := hex.DecodeString(b.ReplyHex)
+			os.Stdout.Write(append(line, '\n'))
 			continue
 		case b.SpawnAndHang:
 			child := exec.Command("sleep", "1000")
@@ -265,6 +272,54 @@ func TestGarbageReply(t *testing.T) {
 		}
 	}
 	d.waitLog("worker broke the protocol; killing it", time.Second)
+	d.stop()
+}
+
+// TestReasonsNotUTF8: a worker's reason is bytes, and PostgreSQL takes only UTF-8 without NUL
+// in text and jsonb. A reason in Latin-1, one with a NUL, and one that the 2,000-byte cut of
+// a stored reason split inside a character are stored with U+FFFD for what is not UTF-8 (and
+// the cut before the character), beside a plain failure and a success in the same batch.
+// Before, PostgreSQL refused the whole failure write, for every message in it, at every try.
+func TestReasonsNotUTF8(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	long := strings.Repeat("a", 1980) + "€€€" // "stage a: status 1: " is 19 bytes: byte 2,000 is inside the first €
+	replies := map[string]string{
+		"1 caf\xe9":  "stage a: status 1: caf\ufffd",
+		"1 a\x00b":   "stage a: status 1: a\ufffdb",
+		"1 " + long:  "stage a: status 1: " + strings.Repeat("a", 1980) + "…",
+		"1 plain":    "stage a: status 1: plain",
+		"1 \xff\xfe": "stage a: status 1: \ufffd",
+	}
+	var values []string
+	for line := range replies {
+		values = append(values, fmt.Sprintf(`('a', '{"reply_hex": "%x"}')`, line))
+	}
+	s.exec(t, `INSERT INTO workqueue (stage, payload) VALUES `+strings.Join(values, ", ")+`, ('a', '{}')`)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 8\nRETRY_DELAY = 60"), "raw")
+	waitFor(t, 30*time.Second, "every failure recorded and the success done", func() bool {
+		return countStatus(t, s, "paused") == len(replies) && countStatus(t, s, "done") == 1
+	})
+	rows, err := s.DB.Query(`SELECT decode(payload->>'reply_hex', 'hex'), state->>'dispatch_error', attempts
+	    FROM workqueue WHERE payload ? 'reply_hex'`)
+	if err != nil {
+		t.Fatalf("read the failures: %v", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var line []byte
+		var reason string
+		var attempts int
+		if err := rows.Scan(&line, &reason, &attempts); err != nil {
+			t.Fatalf("read the failures: %v", err)
+		}
+		if want := replies[string(line)]; reason != want || attempts != 1 {
+			t.Errorf("reply %.40q: stored %.60q (attempts %d), want %.60q (attempts 1)", line, reason, attempts, want)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatalf("read the failures: %v", err)
+	}
 	d.stop()
 }
 

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 )
 
 // reply is one parsed status line.
@@ -79,10 +80,14 @@ func parseReply(line string) (reply, error) {
 	return r, nil
 }
 
-// clip shortens s for a log line or a reason, marking the cut.
+// clip shortens s to at most n bytes for a log line or a reason, marking the cut. The cut
+// goes back to the start of a character, so it never splits one that was whole.
 func clip(s string, n int) string {
 	if len(s) <= n {
 		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
 	}
 	return s[:n] + "…"
 }

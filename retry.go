@@ -15,6 +15,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/lib/pq"
@@ -131,6 +132,19 @@ type failOutcome struct {
 	retryAt time.Time
 }
 
+// reasonMaxBytes bounds a reason stored in state.dispatch_error (pepsi-worker(7)).
+const reasonMaxBytes = 2000
+
+// storableReason is reason as PostgreSQL takes it into jsonb: bytes that are not UTF-8 and
+// NULs replaced by U+FFFD, then clipped to reasonMaxBytes. A worker's reason is its bytes
+// (a Latin-1 message, a NUL from a C string), and one that PostgreSQL refused failed the whole
+// failure write, for every message in it and at every retry of it: from then on no failure
+// of the system was recorded, and its messages stayed running (TestReasonsNotUTF8).
+func storableReason(reason string) string {
+	reason = strings.ReplaceAll(strings.ToValidUTF8(reason, "\ufffd"), "\x00", "\ufffd")
+	return clip(reason, reasonMaxBytes)
+}
+
 // writeFailures records fs in one statement. Rows whose claim is no longer ours are skipped by
 // the guard and missing from both results; rows another transaction holds are in held.
 func writeFailures(ctx context.Context, conn *sql.Conn, fs []failure) (out []failOutcome, held map[int64]bool, err error) {
@@ -139,7 +153,7 @@ func writeFailures(ctx context.Context, conn *sql.Conn, fs []failure) (out []fai
 	maxes, delays := make([]int64, n), make([]float64, n)
 	for i, f := range fs {
 		ids[i], stages[i], claims[i] = f.m.id, f.m.stage, f.m.claim
-		reasons[i] = clip(f.reason, 2000)
+		reasons[i] = storableReason(f.reason)
 		maxes[i], delays[i] = int64(f.maxAttempts), f.retryDelay.Seconds()
 	}
 	rows, err := conn.QueryContext(ctx, failSQL, pq.Array(ids), pq.Array(stages), pq.Array(claims),
