@@ -684,6 +684,10 @@ SELECT count(*), CASE WHEN count(*) < %(n)s THEN array_agg(workqueue_id)::text E
 
 
 def _one_line(s: str) -> str:
+    # A lone surrogate (os.fsdecode's form of a byte that is not UTF-8, in a file name an
+    # exception quotes) has no UTF-8: written as its escape, \udce9, or the encode raised and
+    # the worker exited with its batch.
+    s = s.encode("utf-8", "backslashreplace").decode("utf-8")
     s = "".join(" " if (c < " " or c == "\x7f") else c for c in s).strip() or "failed"
     b = s.encode("utf-8")
     if len(b) > MAX_REASON:

@@ -78,6 +78,9 @@ def handle(m: Message) -> None:
         raise RuntimeError("wrote, then failed")
     if do == "raise":
         raise ValueError("a bug")
+    if do == "raise_surrogate":
+        # A file name decoded with surrogateescape, as os.listdir gives one that is not UTF-8.
+        raise ValueError("no such file: " + os.fsdecode(b"caf\xe9"))
     if do == "none":
         return
     if do == "two":

@@ -105,6 +105,20 @@ def test_batch_savepoints(schema: Schema, worker_factory) -> None:
     assert [r[i][1] for i in ids] == ["pending", "running", "pending", "running", "pending", "running", "done"]
 
 
+def test_reason_not_utf8(schema: Schema, worker_factory) -> None:
+    """A handler's exception whose text cannot be written as UTF-8 (a lone surrogate: a file
+    name os.fsdecode made of bytes that are not UTF-8) is answered as a failure with the
+    surrogate escaped, and the worker goes on to the next message. Before, encoding the reply
+    raised, and the worker exited with every message of its batch."""
+    ids = schema.enqueue("a", [{"do": "raise_surrogate"}, {}])
+    schema.claim("a", ids)
+    w = start(schema, worker_factory)
+    w.send(ids)
+    got = w.replies(len(ids))
+    assert w.close() == 0
+    assert got == ["1 ValueError: no such file: caf\\udce9", "0"]
+
+
 def test_kept_outcomes_one_statement(schema: Schema, worker_factory) -> None:
     """Handlers that send nothing: their outcomes are one statement after the load."""
     n = 200
