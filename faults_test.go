@@ -275,51 +275,51 @@ func TestGarbageReply(t *testing.T) {
 	d.stop()
 }
 
-// TestReasonsNotUTF8: a worker's reason is bytes, and PostgreSQL takes only UTF-8 without NUL
-// in text and jsonb. A reason in Latin-1, one with a NUL, and one that the 2,000-byte cut of
-// a stored reason split inside a character are stored with U+FFFD for what is not UTF-8 (and
-// the cut before the character), beside a plain failure and a success in the same batch.
-// Before, PostgreSQL refused the whole failure write, for every message in it, at every try.
-func TestReasonsNotUTF8(t *testing.T) {
+// TestFailureWriteOddReasonsAndStates: the failure write takes whatever a worker answers and
+// whatever a stage keeps in its state. A worker's reason is bytes, and PostgreSQL takes only
+// UTF-8 without NUL into text and jsonb: a reason in Latin-1, one with a NUL, and one that the
+// 2,000-byte cut split inside a character are stored with U+FFFD for what is not UTF-8 (the
+// cut before the character). A stage's state may be an array, a string or JSON null, where
+// jsonb_set cannot set dispatch_error: the failure is recorded and the state left as it was.
+// All of them fail in one batch beside a plain failure and a success. Before, PostgreSQL
+// refused the whole failure write, for every message in it and at every retry, so no failure
+// of the system was recorded again and the messages stayed running.
+func TestFailureWriteOddReasonsAndStates(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
 	long := strings.Repeat("a", 1980) + "€€€" // "stage a: status 1: " is 19 bytes: byte 2,000 is inside the first €
-	replies := map[string]string{
-		"1 caf\xe9":  "stage a: status 1: caf\ufffd",
-		"1 a\x00b":   "stage a: status 1: a\ufffdb",
-		"1 " + long:  "stage a: status 1: " + strings.Repeat("a", 1980) + "…",
-		"1 plain":    "stage a: status 1: plain",
-		"1 \xff\xfe": "stage a: status 1: \ufffd",
+	cases := []struct{ reply, state, want string }{
+		{"1 caf\xe9", `{}`, `{"dispatch_error": "stage a: status 1: caf\ufffd"}`},
+		{"1 a\x00b", `{"k": 1}`, `{"k": 1, "dispatch_error": "stage a: status 1: a\ufffdb"}`},
+		{"1 " + long, `{}`, `{"dispatch_error": "stage a: status 1: ` + strings.Repeat("a", 1980) + `…"}`},
+		{"1 \xff\xfe", `{}`, `{"dispatch_error": "stage a: status 1: \ufffd"}`},
+		{"1 plain", `{}`, `{"dispatch_error": "stage a: status 1: plain"}`},
+		{"1 in an array", `[1, "two"]`, `[1, "two"]`},
+		{"1 in a string", `"s"`, `"s"`},
+		{"1 in null", `null`, `null`},
 	}
 	var values []string
-	for line := range replies {
-		values = append(values, fmt.Sprintf(`('a', '{"reply_hex": "%x"}')`, line))
+	for _, c := range cases {
+		values = append(values, fmt.Sprintf(`('a', '{"reply_hex": "%x"}', '%s')`, c.reply, c.state))
 	}
-	s.exec(t, `INSERT INTO workqueue (stage, payload) VALUES `+strings.Join(values, ", ")+`, ('a', '{}')`)
-	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 8\nRETRY_DELAY = 60"), "raw")
+	s.exec(t, `INSERT INTO workqueue (stage, payload, state) VALUES `+strings.Join(values, ", ")+`, ('a', '{}', '{}')`)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 16\nRETRY_DELAY = 60"), "raw")
 	waitFor(t, 30*time.Second, "every failure recorded and the success done", func() bool {
-		return countStatus(t, s, "paused") == len(replies) && countStatus(t, s, "done") == 1
+		return countStatus(t, s, "paused") == len(cases) && countStatus(t, s, "done") == 1
 	})
-	rows, err := s.DB.Query(`SELECT decode(payload->>'reply_hex', 'hex'), state->>'dispatch_error', attempts
-	    FROM workqueue WHERE payload ? 'reply_hex'`)
-	if err != nil {
-		t.Fatalf("read the failures: %v", err)
-	}
-	defer rows.Close()
-	for rows.Next() {
-		var line []byte
-		var reason string
+	for _, c := range cases {
+		var ok bool
+		var state string
 		var attempts int
-		if err := rows.Scan(&line, &reason, &attempts); err != nil {
-			t.Fatalf("read the failures: %v", err)
+		if err := s.DB.QueryRow(`SELECT state = $2::jsonb, state::text, attempts FROM workqueue WHERE payload->>'reply_hex' = $1`,
+			fmt.Sprintf("%x", c.reply), c.want).Scan(&ok, &state, &attempts); err != nil {
+			t.Fatalf("read the failure of %.40q: %v", c.reply, err)
 		}
-		if want := replies[string(line)]; reason != want || attempts != 1 {
-			t.Errorf("reply %.40q: stored %.60q (attempts %d), want %.60q (attempts 1)", line, reason, attempts, want)
+		if !ok || attempts != 1 {
+			t.Errorf("reply %.40q: state %.80s (attempts %d), want %.80s (attempts 1)", c.reply, state, attempts, c.want)
 		}
 	}
-	if err := rows.Err(); err != nil {
-		t.Fatalf("read the failures: %v", err)
-	}
+	d.waitLog("failure recorded without its reason in the row: its state is not a JSON object", time.Second)
 	d.stop()
 }
 

@@ -208,6 +208,16 @@ func (c *coordinator) settleCrashes(fs []failure, written, held map[int64]bool) 
 	}
 }
 
+// reasonOf is the reason of id's failure in fs.
+func reasonOf(fs []failure, id int64) string {
+	for _, f := range fs {
+		if f.m.id == id {
+			return f.reason
+		}
+	}
+	return ""
+}
+
 func isPowerOfTen(n int) bool {
 	for n >= 10 && n%10 == 0 {
 		n /= 10
@@ -269,6 +279,10 @@ func (c *coordinator) writeOutcomes() bool {
 		written := make(map[int64]bool, len(out))
 		for _, o := range out {
 			written[o.id] = true
+			if !o.stored {
+				c.log.Warn("failure recorded without its reason in the row: its state is not a JSON object",
+					"id", o.id, "status", o.status, "reason", reasonOf(c.failures, o.id))
+			}
 			if o.status == "failed" {
 				c.stats.Global.Failed++
 				if g := groups[o.id]; g != 0 {

@@ -50,7 +50,15 @@ type failure struct {
 
 // failSQL records failures. retry_at = now + RETRY_DELAY × 2^(attempts−1), with attempts the
 // new count; the exponent is capped so a large MAX_ATTEMPTS cannot overflow the interval.
-// Rows written come back with their new status; held rows with the status 'held'.
+// Rows written come back with their new status and whether the reason was stored; held rows
+// with the status 'held'.
+//
+// The reason goes into the state only when the state is a JSON object. The state is the
+// stage's, and a stage may keep an array or a scalar there (JSON null too: the column is NOT
+// NULL, not its value); jsonb_set refuses to set a key in those, and that refusal failed the
+// whole write, for every message in it and at every retry of it, so no failure of the system
+// was recorded again (TestFailureWriteOddReasonsAndStates). Such a state is left as the stage
+// wrote it; the failure is recorded all the same, and its reason is in the log.
 const failSQL = `
 WITH f AS (
     SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::int[], $6::float8[])
@@ -62,7 +70,9 @@ WITH f AS (
 ), w AS (
     UPDATE workqueue q
        SET attempts = q.attempts + 1,
-           state    = jsonb_set(coalesce(q.state, '{}'), '{dispatch_error}', to_jsonb(f.reason)),
+           state    = CASE WHEN jsonb_typeof(q.state) = 'object' OR q.state IS NULL
+                           THEN jsonb_set(coalesce(q.state, '{}'), '{dispatch_error}', to_jsonb(f.reason))
+                           ELSE q.state END,
            status   = CASE WHEN q.attempts + 1 >= f.max_attempts THEN 'failed' ELSE 'paused' END,
            status_at = now(),
            retry_at = CASE WHEN q.attempts + 1 >= f.max_attempts THEN NULL
@@ -70,11 +80,11 @@ WITH f AS (
       FROM f
      WHERE q.workqueue_id = f.id AND q.workqueue_id IN (SELECT workqueue_id FROM mine)
        AND q.status = 'running' AND q.stage = f.stage AND q.claim = f.claim
-    RETURNING q.workqueue_id, q.status, q.retry_at
+    RETURNING q.workqueue_id, q.status, q.retry_at, jsonb_typeof(q.state) = 'object' AS stored
 )
-SELECT workqueue_id, status, retry_at FROM w
+SELECT workqueue_id, status, retry_at, stored FROM w
 UNION ALL
-SELECT q.workqueue_id, 'held', NULL FROM workqueue q JOIN f ON q.workqueue_id = f.id
+SELECT q.workqueue_id, 'held', NULL, NULL FROM workqueue q JOIN f ON q.workqueue_id = f.id
  WHERE q.status = 'running' AND q.stage = f.stage AND q.claim = f.claim
    AND q.workqueue_id NOT IN (SELECT workqueue_id FROM mine)`
 
@@ -130,6 +140,7 @@ type failOutcome struct {
 	id      int64
 	status  string // "paused" or "failed"
 	retryAt time.Time
+	stored  bool // the reason is in state.dispatch_error (not when the state is no JSON object)
 }
 
 // reasonMaxBytes bounds a reason stored in state.dispatch_error (pepsi-worker(7)).
@@ -139,7 +150,7 @@ const reasonMaxBytes = 2000
 // NULs replaced by U+FFFD, then clipped to reasonMaxBytes. A worker's reason is its bytes
 // (a Latin-1 message, a NUL from a C string), and one that PostgreSQL refused failed the whole
 // failure write, for every message in it and at every retry of it: from then on no failure
-// of the system was recorded, and its messages stayed running (TestReasonsNotUTF8).
+// of the system was recorded, and its messages stayed running (TestFailureWriteOddReasonsAndStates).
 func storableReason(reason string) string {
 	reason = strings.ReplaceAll(strings.ToValidUTF8(reason, "\ufffd"), "\x00", "\ufffd")
 	return clip(reason, reasonMaxBytes)
@@ -165,7 +176,8 @@ func writeFailures(ctx context.Context, conn *sql.Conn, fs []failure) (out []fai
 	for rows.Next() {
 		var o failOutcome
 		var at sql.NullTime
-		if err := rows.Scan(&o.id, &o.status, &at); err != nil {
+		var stored sql.NullBool
+		if err := rows.Scan(&o.id, &o.status, &at, &stored); err != nil {
 			return nil, nil, fmt.Errorf("record %d failures: %w", n, err)
 		}
 		if o.status == "held" {
@@ -175,7 +187,7 @@ func writeFailures(ctx context.Context, conn *sql.Conn, fs []failure) (out []fai
 			held[o.id] = true
 			continue
 		}
-		o.retryAt = at.Time
+		o.retryAt, o.stored = at.Time, stored.Bool
 		out = append(out, o)
 	}
 	if err := rows.Err(); err != nil {
