@@ -100,10 +100,11 @@ type retentionWalk struct {
 }
 
 // retainer is the retention's state; owned by the coordinator. While a turn runs, the
-// cursor is the goroutine's: it comes back with the turn's result.
+// cursor is the goroutine's: it comes back with the turn's result. A walk starts after id 0:
+// ids are positive (schema.sql's last statement).
 type retainer struct {
 	age      time.Duration
-	cursor   int64              // where the walk under way goes on; 0: the next turn starts one (ids are positive: schema.sql)
+	cursor   int64              // where the walk under way goes on; 0: the next turn starts one
 	full     bool               // the walk under way is a full one
 	lastFull time.Time          // when the last full walk reached the end of the table
 	running  bool               // a turn runs in the background
