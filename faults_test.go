@@ -281,9 +281,10 @@ func TestGarbageReply(t *testing.T) {
 // 2,000-byte cut split inside a character are stored with U+FFFD for what is not UTF-8 (the
 // cut before the character). A stage's state may be an array, a string or JSON null, where
 // jsonb_set cannot set dispatch_error: the failure is recorded and the state left as it was.
-// All of them fail in one batch beside a plain failure and a success. Before, PostgreSQL
-// refused the whole failure write, for every message in it and at every retry, so no failure
-// of the system was recorded again and the messages stayed running.
+// All of them fail in one batch beside a plain failure and a success, and the dispatcher goes
+// on: messages enqueued at another stage afterwards are done. Before, PostgreSQL refused the
+// whole failure write, for every message in it and at every retry; the loop writes failures
+// before it claims, so no stage claimed again and the whole pipeline stopped.
 func TestFailureWriteOddReasonsAndStates(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
@@ -303,9 +304,14 @@ func TestFailureWriteOddReasonsAndStates(t *testing.T) {
 		values = append(values, fmt.Sprintf(`('a', '{"reply_hex": "%x"}', '%s')`, c.reply, c.state))
 	}
 	s.exec(t, `INSERT INTO workqueue (stage, payload, state) VALUES `+strings.Join(values, ", ")+`, ('a', '{}', '{}')`)
-	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 16\nRETRY_DELAY = 60"), "raw")
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 16\nRETRY_DELAY = 60")+
+		stageConf(t, "b", "", "PARALLELISM = 1"), "raw")
 	waitFor(t, 30*time.Second, "every failure recorded and the success done", func() bool {
 		return countStatus(t, s, "paused") == len(cases) && countStatus(t, s, "done") == 1
+	})
+	s.exec(t, `INSERT INTO workqueue (stage, payload) SELECT 'b', '{}' FROM generate_series(1, 3)`)
+	waitFor(t, 30*time.Second, "the messages enqueued afterwards at stage b done", func() bool {
+		return countStatus(t, s, "done") == 4
 	})
 	for _, c := range cases {
 		var ok bool

@@ -56,9 +56,10 @@ type failure struct {
 // The reason goes into the state only when the state is a JSON object. The state is the
 // stage's, and a stage may keep an array or a scalar there (JSON null too: the column is NOT
 // NULL, not its value); jsonb_set refuses to set a key in those, and that refusal failed the
-// whole write, for every message in it and at every retry of it, so no failure of the system
-// was recorded again (TestFailureWriteOddReasonsAndStates). Such a state is left as the stage
-// wrote it; the failure is recorded all the same, and its reason is in the log.
+// whole write, for every message in it and at every retry of it; the loop writes failures
+// before it claims (coordinator.go, settle), so the whole dispatcher stopped
+// (TestFailureWriteOddReasonsAndStates). Such a state is left as the stage wrote it; the
+// failure is recorded all the same, and its reason is in the log.
 const failSQL = `
 WITH f AS (
     SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::int[], $6::float8[])
@@ -148,9 +149,10 @@ const reasonMaxBytes = 2000
 
 // storableReason is reason as PostgreSQL takes it into jsonb: bytes that are not UTF-8 and
 // NULs replaced by U+FFFD, then clipped to reasonMaxBytes. A worker's reason is its bytes
-// (a Latin-1 message, a NUL from a C string), and one that PostgreSQL refused failed the whole
-// failure write, for every message in it and at every retry of it: from then on no failure
-// of the system was recorded, and its messages stayed running (TestFailureWriteOddReasonsAndStates).
+// (a Latin-1 message, a NUL from a C string; the two SDKs send UTF-8 without NUL, a stage in
+// another language need not), and one that PostgreSQL refused failed the whole failure write
+// at every retry of it, which stopped the whole dispatcher, as a state that is no JSON object
+// did (failSQL).
 func storableReason(reason string) string {
 	reason = strings.ReplaceAll(strings.ToValidUTF8(reason, "\ufffd"), "\x00", "\ufffd")
 	return clip(reason, reasonMaxBytes)
