@@ -85,6 +85,7 @@ type coordinator struct {
 	heldFailures []failure
 	heldResets   []*message
 	heldWritesAt time.Time
+	refusedLog   failureLog // the rate limit of "refused this message's failure write alone" lines
 
 	locked        bool      // the lock connection is up and ours
 	outageAt      time.Time // when the lock connection was last lost (failover.go: outageWorker)

@@ -329,6 +329,52 @@ func TestFailureWriteOddReasonsAndStates(t *testing.T) {
 	d.stop()
 }
 
+// TestFailureWriteRefusedAlone: an application's trigger on workqueue refuses the failure
+// write of one row (its reason says "poison"). That failure waits, tried again every second,
+// while the others of its batch are recorded and every stage goes on claiming; once the
+// trigger is gone, it is recorded, charged once. Before, the batch was refused at every
+// retry, and since the loop writes failures before it claims, no stage claimed again.
+func TestFailureWriteRefusedAlone(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	s.exec(t, `CREATE FUNCTION app_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+	    BEGIN
+	        IF NEW.state->>'dispatch_error' LIKE '%poison%' THEN
+	            RAISE EXCEPTION 'the application refuses message %', NEW.workqueue_id;
+	        END IF;
+	        RETURN NEW;
+	    END $$`)
+	s.exec(t, `CREATE TRIGGER app_refuse BEFORE UPDATE ON workqueue FOR EACH ROW
+	    WHEN (NEW.status IN ('paused', 'failed')) EXECUTE FUNCTION app_refuse()`)
+	poison := insertOne(t, s, "a", fmt.Sprintf(`{"reply_hex": "%x"}`, "1 poison"))
+	plain := insertOne(t, s, "a", fmt.Sprintf(`{"reply_hex": "%x"}`, "1 plain"))
+	insertOne(t, s, "a", `{}`)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 8\nRETRY_DELAY = 60")+
+		stageConf(t, "b", "", "PARALLELISM = 1"), "raw")
+	waitFor(t, 30*time.Second, "the plain failure recorded and the success done", func() bool {
+		return row(t, s, plain).status == "paused" && countStatus(t, s, "done") == 1
+	})
+	s.exec(t, `INSERT INTO workqueue (stage, payload) SELECT 'b', '{}' FROM generate_series(1, 3)`)
+	waitFor(t, 30*time.Second, "the messages enqueued afterwards at stage b done", func() bool {
+		return countStatus(t, s, "done") == 4
+	})
+	d.waitLog("the database refused this message's failure write alone", 10*time.Second)
+	if r := row(t, s, poison); r.status != "running" || r.attempts != 0 {
+		t.Errorf("the refused failure's row: %+v, want still running, not charged", r)
+	}
+	s.exec(t, `DROP TRIGGER app_refuse ON workqueue`)
+	waitFor(t, 10*time.Second, "the refused failure recorded once the trigger is gone", func() bool {
+		return row(t, s, poison).status == "paused"
+	})
+	if r := row(t, s, poison); r.attempts != 1 || r.reason != "stage a: status 1: poison" {
+		t.Errorf("the refused failure, recorded: %+v, want attempts 1 and its reason", r)
+	}
+	if n := strings.Count(d.log.String(), "the database refused this message's failure write alone"); n != 1 {
+		t.Errorf("the refusal was logged %d times, want once", n)
+	}
+	d.stop()
+}
+
 func TestCrashFailsHeadRequeuesRest(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)

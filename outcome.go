@@ -5,6 +5,7 @@ package main
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"time"
 )
@@ -266,6 +267,9 @@ func (c *coordinator) writeOutcomes() bool {
 		ctx, cancel := c.budget()
 		out, held, err := writeFailures(ctx, c.inst.conn, c.failures)
 		cancel()
+		if err != nil && !isOutage(err) && c.ctx.Err() == nil && c.inst.conn != nil && c.pingLock() == nil {
+			out, held, err = c.writeFailuresAlone(now)
+		}
 		if err != nil {
 			c.dbTrouble("record failures", err)
 			return false
@@ -329,6 +333,69 @@ func (c *coordinator) writeOutcomes() bool {
 	}
 	c.dbBackoff.reset()
 	return true
+}
+
+// refusedSplitBudget bounds the loop's time spent writing refused failures one by one in
+// one settle; those not tried within it wait for the next round (heldRetryGap).
+const refusedSplitBudget = 100 * time.Millisecond
+
+// writeFailuresAlone writes the queued failures one statement each, after the database
+// refused them in one. The refusal may be one row's alone: no longer pepsi's own writes
+// (storableReason, failSQL), but an application's trigger or CHECK on workqueue may refuse
+// the write of one row. The loop writes failures before it claims, so sending the same batch
+// again and again stopped every stage (TestFailureWriteRefusedAlone). Only after a refusal
+// on a lock connection that answers a ping: a lost one is dbTrouble's. A failure whose own
+// write is refused waits as a held one does: said (at most failureLinesPerMinute lines a
+// minute), tried again every second, its row running and ours, the claims going on; so do
+// those not tried within refusedSplitBudget. It returns an error only for an outage.
+func (c *coordinator) writeFailuresAlone(now time.Time) (out []failOutcome, held map[int64]bool, err error) {
+	held = map[int64]bool{}
+	deadline := now.Add(refusedSplitBudget)
+	for _, f := range c.failures {
+		if time.Now().After(deadline) {
+			held[f.m.id] = true
+			f.m.writeHeld = true // not another transaction's lock: no "a write waits" line for it
+			continue
+		}
+		ctx, cancel := c.budget()
+		o, h, err := writeFailures(ctx, c.inst.conn, []failure{f})
+		cancel()
+		switch {
+		case err != nil && (isOutage(err) || c.ctx.Err() != nil):
+			return nil, nil, err
+		case err != nil:
+			held[f.m.id] = true
+			f.m.writeHeld = true // over an outage it stays a failure (reconcile.go)
+			if !f.m.writeRefused {
+				f.m.writeRefused = true
+				c.noteRefused(f.m, err)
+			}
+		default:
+			out = append(out, o...)
+			maps.Copy(held, h)
+		}
+	}
+	return out, held, nil
+}
+
+// noteRefused logs, at most failureLinesPerMinute lines a minute, that the database refused
+// m's failure write by itself.
+func (c *coordinator) noteRefused(m *message, err error) {
+	l, now := &c.refusedLog, time.Now()
+	if now.Sub(l.window) >= time.Minute {
+		l.window, l.logged = now, 0
+	}
+	if l.logged >= failureLinesPerMinute {
+		l.unlogged++
+		return
+	}
+	l.logged++
+	args := []any{"stage", m.stage, "id", m.id, "err", err}
+	if l.unlogged > 0 {
+		args = append(args, "refusals_not_logged", l.unlogged)
+		l.unlogged = 0
+	}
+	c.log.Warn("the database refused this message's failure write alone; tried again every second, claims go on", args...)
 }
 
 // keepHeldResets keeps the resets of ms whose rows another transaction held (held, from

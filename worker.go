@@ -51,8 +51,11 @@ type message struct {
 	// the stage reports one, is not written (the guarded write would change nothing anyway).
 	cancelled bool
 	// writeHeld: its failure or reset write found the row held by another transaction and
-	// waits for it (retry.go); said once, not at every attempt.
+	// waits for it (retry.go); said once, not at every attempt. Also a failure write the
+	// database refused for this row alone, or not tried in its round (writeFailuresAlone).
 	writeHeld bool
+	// writeRefused: the database refused its failure write by itself; said once.
+	writeRefused bool
 }
 
 // worker is one worker process of a stage.
