@@ -45,8 +45,8 @@ DECLARE
 BEGIN
     SELECT conname INTO con FROM pg_constraint
      WHERE conrelid = 'workqueue'::regclass AND contype = 'c'
-       AND pg_get_constraintdef(oid) LIKE '%status%'
-       AND pg_get_constraintdef(oid) NOT LIKE '%cancelled%';
+       AND pg_get_constraintdef(oid) LIKE '%status%' AND pg_get_constraintdef(oid) LIKE '%''pending''%'
+       AND pg_get_constraintdef(oid) NOT LIKE '%cancelled%';  -- the status list, not a rule on status_at
     IF con IS NOT NULL THEN
         EXECUTE format('ALTER TABLE workqueue DROP CONSTRAINT %I', con);
         ALTER TABLE workqueue ADD CONSTRAINT workqueue_status_check

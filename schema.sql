@@ -275,34 +275,48 @@ END $$;
 \ir fanin.sql
 \ir operate.sql
 
--- Ids are positive. Every walk over these tables by id starts after 0 (retention.go's,
--- queue_select's pages, fanin_sweep's), and the SDKs read an id line as digits, so a row
--- given an id of 0 or below by hand was never deleted, listed or acted on by filter, and
--- failed at every stage as "bad message id". The identities give 1 and up; an INSERT that
--- gives its own id is refused below 1. A database made before this rule gets it here, after
--- one scan of each table that does not block writes (NOT VALID, then VALIDATE); one that
--- holds such rows is refused with their count, and gets the rule when this file is applied
--- again once they have new ids or are gone.
+-- Rules on what a producer may give, each a CHECK that refuses the INSERT or UPDATE that
+-- breaks it, so the mistake comes back to whoever made it rather than to the dispatcher:
+--   Ids are positive. Every walk over these tables by id starts after 0 (retention.go's,
+--   queue_select's pages, fanin_sweep's), and the SDKs read an id line as digits, so a row
+--   given an id of 0 or below by hand was never deleted, listed or acted on by filter, and
+--   failed at every stage as "bad message id". The identities give 1 and up.
+--   Times are finite. A run_at of 'infinity' made the row paused until then, and the
+--   dispatcher's "next due paused row" (min(retry_at)) came back as a time Go cannot hold:
+--   every return of due rows and every claim failed, and no stage claimed again. An infinite
+--   created_at or status_at made every age ("cannot subtract infinite timestamps") fail:
+--   pepsi-queue status and list, the console's pages, the row gauges of /metrics. To keep a
+--   message from running until someone lets it, insert it 'held' (pepsi-queue release).
+-- A database made before a rule gets it here, after one scan of the table that does not block
+-- writes (NOT VALID, then VALIDATE); one that holds rows the rule refuses is refused with
+-- their count, and gets the rule when this file is applied again once they are mended or gone.
+-- A CHECK is evaluated on every UPDATE of a row: these cost about 0.1 µs per row written.
 DO $$
 DECLARE
-    t text;
+    r record;
     n bigint;
 BEGIN
-    FOREACH t IN ARRAY ARRAY['workqueue', 'fanout'] LOOP
-        IF NOT EXISTS (SELECT 1 FROM pg_constraint
-                        WHERE conrelid = t::regclass AND conname = t || '_id_positive') THEN
-            EXECUTE format('ALTER TABLE %I ADD CONSTRAINT %I CHECK (%I > 0) NOT VALID',
-                           t, t || '_id_positive', t || '_id');
+    FOR r IN SELECT * FROM (VALUES
+        ('workqueue', 'workqueue_id_positive', 'workqueue_id > 0',
+         'an id of 0 or below, which pepsi cannot walk to', 'give them ids above 0 (and the rows that name them, too)'),
+        ('fanout', 'fanout_id_positive', 'fanout_id > 0',
+         'an id of 0 or below, which pepsi cannot walk to', 'give them ids above 0 (and the rows that name them, too)'),
+        ('workqueue', 'workqueue_times_finite',
+         'isfinite(created_at) AND isfinite(status_at) AND isfinite(run_at) AND isfinite(retry_at)',
+         'an infinite created_at, status_at, run_at or retry_at, from which pepsi cannot tell an age or a due time',
+         'give them finite times (or hold them: status ''held'', retry_at NULL)')
+    ) AS v (tab, con, expr, what, mend) LOOP
+        IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = r.tab::regclass AND conname = r.con) THEN
+            EXECUTE format('ALTER TABLE %I ADD CONSTRAINT %I CHECK (%s) NOT VALID', r.tab, r.con, r.expr);
         END IF;
         BEGIN
-            EXECUTE format('ALTER TABLE %I VALIDATE CONSTRAINT %I', t, t || '_id_positive');
+            EXECUTE format('ALTER TABLE %I VALIDATE CONSTRAINT %I', r.tab, r.con);
         EXCEPTION WHEN check_violation THEN
-            EXECUTE format('SELECT count(*) FROM %I WHERE %I <= 0', t, t || '_id') INTO n;
-            RAISE EXCEPTION '% rows of % have an id of 0 or below, which pepsi cannot walk to', n, t
+            EXECUTE format('SELECT count(*) FROM %I WHERE NOT (%s)', r.tab, r.expr) INTO n;
+            RAISE EXCEPTION '% rows of % have %', n, r.tab, r.what
                 USING ERRCODE = 'check_violation',
-                      HINT = format('SELECT * FROM %I WHERE %I <= 0 lists them: give them ids above 0 '
-                                    '(and the rows that name them, too) or delete them, then apply '
-                                    'schema.sql again', t, t || '_id');
+                      HINT = format('SELECT * FROM %I WHERE NOT (%s) lists them: %s or delete them, then '
+                                    'apply schema.sql again', r.tab, r.expr, r.mend);
         END;
     END LOOP;
 END $$;
