@@ -148,12 +148,29 @@ const (
 	failureRunRecovered = 3
 )
 
-// failureLog is the rate limit of one stage's failure lines.
+// failureLog is the rate limit of one stage's failure lines (and of the refused-write lines,
+// whose run is unused).
 type failureLog struct {
 	run      int       // consecutive failures, ended by a success
 	window   time.Time // start of the minute the lines below count in
 	logged   int       // lines logged in the window
 	unlogged int       // failures not logged since the last line logged
+}
+
+// admit reports whether a line may be logged at now, and counts it: not when skip (the
+// caller's own reason to leave it out) or when failureLinesPerMinute lines were logged in the
+// minute. unlogged is how many were left out since the last line logged.
+func (l *failureLog) admit(now time.Time, skip bool) (unlogged int, ok bool) {
+	if now.Sub(l.window) >= time.Minute {
+		l.window, l.logged = now, 0
+	}
+	if skip || l.logged >= failureLinesPerMinute {
+		l.unlogged++
+		return 0, false
+	}
+	l.logged++
+	unlogged, l.unlogged = l.unlogged, 0
+	return unlogged, true
 }
 
 // noteFailure logs a failure, rate-limited per stage: the first failures of a run in full,
@@ -166,19 +183,14 @@ func (c *coordinator) noteFailure(m *message, reason string, now time.Time) {
 		c.stageFailing[m.stage] = fl
 	}
 	fl.run++
-	if now.Sub(fl.window) >= time.Minute {
-		fl.window, fl.logged = now, 0
-	}
-	if (fl.run > 3 && !isPowerOfTen(fl.run)) || fl.logged >= failureLinesPerMinute {
-		fl.unlogged++
+	unlogged, ok := fl.admit(now, fl.run > 3 && !isPowerOfTen(fl.run))
+	if !ok {
 		return
 	}
-	fl.logged++
 	args := []any{"stage", m.stage, "id", m.id, "attempt", m.attempts + 1, "reason", reason,
 		"consecutive_failures", fl.run}
-	if fl.unlogged > 0 {
-		args = append(args, "failures_not_logged", fl.unlogged)
-		fl.unlogged = 0
+	if unlogged > 0 {
+		args = append(args, "failures_not_logged", unlogged)
 	}
 	if fl.logged == failureLinesPerMinute {
 		args = append(args, "next_failure_line_after", fl.window.Add(time.Minute).Format(time.RFC3339))
@@ -381,19 +393,13 @@ func (c *coordinator) writeFailuresAlone(now time.Time) (out []failOutcome, held
 // noteRefused logs, at most failureLinesPerMinute lines a minute, that the database refused
 // m's failure write by itself.
 func (c *coordinator) noteRefused(m *message, err error) {
-	l, now := &c.refusedLog, time.Now()
-	if now.Sub(l.window) >= time.Minute {
-		l.window, l.logged = now, 0
-	}
-	if l.logged >= failureLinesPerMinute {
-		l.unlogged++
+	unlogged, ok := c.refusedLog.admit(time.Now(), false)
+	if !ok {
 		return
 	}
-	l.logged++
 	args := []any{"stage", m.stage, "id", m.id, "err", err}
-	if l.unlogged > 0 {
-		args = append(args, "refusals_not_logged", l.unlogged)
-		l.unlogged = 0
+	if unlogged > 0 {
+		args = append(args, "refusals_not_logged", unlogged)
 	}
 	c.log.Warn("the database refused this message's failure write alone; tried again every second, claims go on", args...)
 }
