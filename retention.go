@@ -26,14 +26,24 @@
 // coordinator's goroutine: nothing was claimed while it ran, which is as long as the statement
 // budget when a delete waited for a lock (an application's row referencing a message, ON
 // DELETE SET NULL, held by an open transaction: TestRetentionBlockedClaimsGoOn).
+//
+// A row the database refuses to delete (an application's foreign key to it without ON
+// DELETE, its trigger) is kept alone: the batch it was in is done again one row per
+// statement, and the row is left out of the walks until the day's full one
+// (deleteRowsAlone). One such row used to fail every turn at the same batch.
 
 package main
 
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
+	"slices"
+	"sort"
 	"time"
+
+	"github.com/lib/pq"
 )
 
 const (
@@ -48,7 +58,9 @@ const (
 // the done or cancelled rows that finished more than $1 seconds ago (status_at; rows from
 // before that column existed count from created_at). It returns how many it deleted and the
 // last of them, how many rows it looked at and the last of those, and whether every one of
-// them was created less than $1 seconds ago.
+// them was created less than $1 seconds ago. Rows the database refused to delete before
+// ($5: retainer.refused) are left out, so that one such row does not fail every batch that
+// meets it (deleteRowsAlone).
 //
 // The window is read once (its CTE is used twice, so PostgreSQL materializes it), and only
 // the rows it found old enough are read again, by primary key, to be locked and deleted. The
@@ -64,22 +76,12 @@ const (
 // waiting: a held row (an operator's open transaction, an application's FOR KEY SHARE) would
 // otherwise stop the whole batch for the statement budget, and every minute again.
 const retentionSQL = `
-WITH win AS (
-    SELECT w.workqueue_id,
-           w.status IN ('done', 'cancelled')
-             AND coalesce(w.status_at, w.created_at) < now() - make_interval(secs => $1) AS old,
-           w.created_at >= now() - make_interval(secs => $1) AS young
-      FROM workqueue w
-     WHERE w.workqueue_id > $2
-     ORDER BY w.workqueue_id
-     LIMIT $4
+WITH win AS (` + retentionWindowSQL + `
 ), doomed AS (
     SELECT w.workqueue_id FROM workqueue w
      WHERE w.workqueue_id = ANY (ARRAY(SELECT workqueue_id FROM win WHERE old))
-       AND w.status IN ('done', 'cancelled')
-       AND coalesce(w.status_at, w.created_at) < now() - make_interval(secs => $1)
-       AND (w.fanout_id IS NULL OR NOT EXISTS (
-             SELECT 1 FROM fanout f WHERE f.fanout_id = w.fanout_id AND f.state = 'open'))
+       AND w.workqueue_id <> ALL ($5::bigint[])
+       AND ` + retentionDueSQL + `
      ORDER BY w.workqueue_id
      LIMIT $3
        FOR UPDATE OF w SKIP LOCKED
@@ -91,12 +93,57 @@ SELECT (SELECT count(*) FROM gone), (SELECT coalesce(max(workqueue_id), 0) FROM 
        count(*), coalesce(max(workqueue_id), 0), coalesce(bool_and(young), false)
   FROM win`
 
+// retentionWindowSQL is the window: up to $4 rows after id $2, each with whether it is old
+// enough to go and whether it was created less than $1 seconds ago.
+const retentionWindowSQL = `
+    SELECT w.workqueue_id,
+           w.status IN ('done', 'cancelled')
+             AND coalesce(w.status_at, w.created_at) < now() - make_interval(secs => $1) AS old,
+           w.created_at >= now() - make_interval(secs => $1) AS young
+      FROM workqueue w
+     WHERE w.workqueue_id > $2
+     ORDER BY w.workqueue_id
+     LIMIT $4`
+
+// retentionDueSQL says that the row w may go: done or cancelled more than $1 seconds ago,
+// and no child of a fan-out group that is still open.
+const retentionDueSQL = `w.status IN ('done', 'cancelled')
+       AND coalesce(w.status_at, w.created_at) < now() - make_interval(secs => $1)
+       AND (w.fanout_id IS NULL OR NOT EXISTS (
+             SELECT 1 FROM fanout f WHERE f.fanout_id = w.fanout_id AND f.state = 'open'))`
+
+// retentionPickSQL is retentionSQL without its DELETE, for a batch the database refused:
+// the rows it would have deleted (the first $3 old enough in the window, those refused before,
+// $5, left out), and what it says of the window.
+const retentionPickSQL = `
+WITH win AS (` + retentionWindowSQL + `
+)
+SELECT ARRAY(SELECT w.workqueue_id FROM workqueue w
+              WHERE w.workqueue_id = ANY (ARRAY(SELECT workqueue_id FROM win WHERE old))
+                AND w.workqueue_id <> ALL ($5::bigint[])
+                AND ` + retentionDueSQL + `
+              ORDER BY w.workqueue_id
+              LIMIT $3),
+       count(*), coalesce(max(workqueue_id), 0), coalesce(bool_and(young), false)
+  FROM win`
+
+// retentionOneSQL deletes the row $2 alone if it may still go, passing it over if another
+// transaction holds it (as retentionSQL does).
+const retentionOneSQL = `
+WITH doomed AS (
+    SELECT w.workqueue_id FROM workqueue w
+     WHERE w.workqueue_id = $2 AND ` + retentionDueSQL + `
+       FOR UPDATE OF w SKIP LOCKED
+)
+DELETE FROM workqueue q USING doomed WHERE q.workqueue_id = doomed.workqueue_id`
+
 // retentionWalk is what a turn does: the age of the rows it deletes, whether it is a full
-// walk, and its sizes (the constants above; the tests' are smaller).
+// walk, its sizes (the constants above; the tests' are smaller), and the rows it leaves out.
 type retentionWalk struct {
 	age                    time.Duration
 	full                   bool // go on to the end of the table, past windows of young rows
 	batch, window, batches int
+	skip                   []int64 // rows the database refused to delete before, in id order
 }
 
 // retainer is the retention's state; owned by the coordinator. While a turn runs, the
@@ -110,42 +157,128 @@ type retainer struct {
 	running  bool               // a turn runs in the background
 	stopped  bool               // ... and the coordinator has cancelled it
 	stop     context.CancelFunc // cancels the running turn
+	// refused holds the rows the database refused to delete (at most retentionRefusedMax),
+	// left out of the walks until the next full one tries them again.
+	refused map[int64]bool
 }
+
+// retentionRefusedMax bounds retainer.refused; a row refused past it is met again by the
+// next walk's batch, and deleted or refused alone again (deleteRowsAlone).
+const retentionRefusedMax = 10_000
 
 // retentionDone is a turn's result, sent by the goroutine that ran it.
 type retentionDone struct {
-	n      int64 // rows deleted, by the statements that committed
-	cursor int64 // where the next turn goes on; 0: the walk ended
-	err    error
+	n       int64 // rows deleted, by the statements that committed
+	cursor  int64 // where the next turn goes on; 0: the walk ended
+	refused []refusedRow
+	err     error
+}
+
+// refusedRow is a row the database refused to delete, and why.
+type refusedRow struct {
+	id  int64
+	err error
 }
 
 // retentionTurn runs up to w.batches statements from cursor on; it returns the rows deleted
 // and where the next turn goes on (after the last statement that committed; 0 when the walk
-// ended).
-func retentionTurn(ctx context.Context, db *sql.DB, w retentionWalk, cursor int64) (int64, int64, error) {
-	var total int64
+// ended), and the rows the database refused to delete.
+func retentionTurn(ctx context.Context, db *sql.DB, w retentionWalk, cursor int64) (res retentionDone) {
 	window := w.window
 	for i := 0; i < w.batches; i++ {
+		// Those after the cursor; never nil, which pq.Array sends as NULL (and "<> ALL (NULL)"
+		// keeps no row).
+		skip := append([]int64{}, w.skip[sort.Search(len(w.skip), func(i int) bool { return w.skip[i] > cursor }):]...)
 		var n, lastGone, looked, lastLooked int64
 		var young bool
-		err := db.QueryRowContext(ctx, retentionSQL, w.age.Seconds(), cursor, w.batch, window).
+		err := db.QueryRowContext(ctx, retentionSQL, w.age.Seconds(), cursor, w.batch, window, pq.Array(skip)).
 			Scan(&n, &lastGone, &looked, &lastLooked, &young)
-		if err != nil {
-			return total, cursor, fmt.Errorf("retention: delete done rows older than %v: %w", w.age, err)
+		deleted, allRefused := n, false
+		if refusesRows(err) && ctx.Err() == nil {
+			var one rowsAlone
+			one, err = deleteRowsAlone(ctx, db, w, cursor, window, skip)
+			res.refused = append(res.refused, one.refused...)
+			n, lastGone, looked, lastLooked, young = one.picked, one.lastPicked, one.looked, one.lastLooked, one.young
+			deleted, allRefused = one.deleted, one.picked > 0 && len(one.refused) == int(one.picked)
 		}
-		total += n
+		if err != nil {
+			res.err = fmt.Errorf("retention: delete done rows older than %v: %w", w.age, err)
+			res.cursor = cursor
+			return res
+		}
+		res.n += deleted
 		switch {
+		case allRefused && n == int64(w.batch):
+			// Every row of the batch refused (an application that references all of
+			// them): the turn ends here rather than spend a statement per row on every
+			// batch of it; the next turn goes on after these rows.
+			res.cursor = lastGone
+			return res
 		case n == int64(w.batch):
 			// The window may hold more rows old enough, and they are dense here: the next
 			// statement looks at twice a batch, not at a whole window again for one batch.
 			cursor, window = lastGone, min(w.window, 2*w.batch)
 		case looked < int64(window) || young && !w.full:
-			return total, 0, nil // the end of the table, or of the rows old enough: start over next turn
+			return res // the end of the table, or of the rows old enough: start over next turn
 		default:
 			cursor, window = lastLooked, w.window
 		}
 	}
-	return total, cursor, nil
+	res.cursor = cursor
+	return res
+}
+
+// refusesRows reports whether err is the database refusing what a statement did to some of
+// its rows (an integrity rule: an application's foreign key to a message without ON DELETE;
+// or an exception a trigger raised), as opposed to a lost connection, a cancellation or a
+// statement it could not run at all.
+func refusesRows(err error) bool {
+	var pe *pq.Error
+	return errors.As(err, &pe) && (pe.Code.Class() == "23" || pe.Code.Class() == "P0")
+}
+
+// rowsAlone is what deleteRowsAlone did with one batch.
+type rowsAlone struct {
+	picked, lastPicked int64 // the rows the batch would have deleted: how many, the last
+	deleted            int64
+	refused            []refusedRow
+	looked, lastLooked int64 // the window, as retentionSQL says it
+	young              bool
+}
+
+// deleteRowsAlone is one batch of retentionSQL, for a window whose batch the database refused:
+// it picks the rows the batch would have deleted and deletes each in a statement of its own,
+// so that a refusal that is one row's (an application's foreign key to it, its trigger) keeps
+// only that row, not the whole walk: a batch refused so failed every turn at the same place,
+// and retention deleted nothing past it again (TestRetentionRowRefused). The walk goes on
+// after the picked rows as after a batch that deleted them. Each statement is its own
+// transaction: a fraction of a millisecond a row, so a batch costs a fraction of a second, in
+// the background, once per refused row and walk (retainer.refused leaves the row out
+// afterwards).
+func deleteRowsAlone(ctx context.Context, db *sql.DB, w retentionWalk, cursor int64, window int, skip []int64) (rowsAlone, error) {
+	var r rowsAlone
+	var picked []int64
+	if err := db.QueryRowContext(ctx, retentionPickSQL, w.age.Seconds(), cursor, w.batch, window, pq.Array(skip)).
+		Scan((*pq.Int64Array)(&picked), &r.looked, &r.lastLooked, &r.young); err != nil {
+		return r, fmt.Errorf("pick the rows of a refused batch: %w", err)
+	}
+	for _, id := range picked {
+		res, err := db.ExecContext(ctx, retentionOneSQL, w.age.Seconds(), id)
+		switch {
+		case refusesRows(err) && ctx.Err() == nil:
+			r.refused = append(r.refused, refusedRow{id: id, err: err})
+		case err != nil:
+			return r, fmt.Errorf("delete row %d alone: %w", id, err)
+		default:
+			n, _ := res.RowsAffected() // lib/pq reads it from the command tag: no error
+			r.deleted += n
+		}
+	}
+	r.picked = int64(len(picked))
+	if len(picked) > 0 {
+		r.lastPicked = picked[len(picked)-1]
+	}
+	return r, nil
 }
 
 // nextWalk is the walk the next turn makes at now: the one under way, or a new one from the
@@ -154,8 +287,16 @@ func retentionTurn(ctx context.Context, db *sql.DB, w retentionWalk, cursor int6
 func (r *retainer) nextWalk(now time.Time) retentionWalk {
 	if r.cursor == 0 {
 		r.full = r.lastFull.IsZero() || now.Sub(r.lastFull) >= retentionFullEvery
+		if r.full {
+			r.refused = nil // tried again: the application may have let go of them
+		}
 	}
-	return walkOf(r.age, r.full)
+	w := walkOf(r.age, r.full)
+	for id := range r.refused {
+		w.skip = append(w.skip, id)
+	}
+	slices.Sort(w.skip)
+	return w
 }
 
 // walkOf is a walk with the daemon's sizes.
@@ -171,8 +312,7 @@ func (c *coordinator) startRetention() {
 	walk, cursor := r.nextWalk(time.Now()), r.cursor
 	c.inBackground(func() event {
 		defer cancel()
-		n, next, err := retentionTurn(ctx, c.db, walk, cursor)
-		return retentionDone{n: n, cursor: next, err: err}
+		return retentionTurn(ctx, c.db, walk, cursor)
 	})
 }
 
@@ -202,6 +342,14 @@ func (c *coordinator) onRetained(ev retentionDone) {
 	if ev.n > 0 {
 		c.log.Info("retention: deleted old done rows", "rows", ev.n, "older_than", r.age)
 	}
+	if len(ev.refused) > 0 {
+		ids := make([]int64, 0, min(len(ev.refused), 10))
+		for _, rr := range ev.refused[:cap(ids)] {
+			ids = append(ids, rr.id)
+		}
+		c.log.Warn("retention: the database refused to delete these old rows; kept, and tried again at the next full walk (daily)",
+			"rows", len(ev.refused), "ids", ids, "err", ev.refused[0].err)
+	}
 }
 
 // ended records where a turn left the walk: a full walk that reached the end of the table
@@ -211,4 +359,13 @@ func (r *retainer) ended(ev retentionDone, now time.Time) {
 		r.lastFull = now
 	}
 	r.cursor = ev.cursor
+	for _, rr := range ev.refused {
+		if len(r.refused) >= retentionRefusedMax {
+			break
+		}
+		if r.refused == nil {
+			r.refused = map[int64]bool{}
+		}
+		r.refused[rr.id] = true
+	}
 }

@@ -3,6 +3,9 @@ package main
 import (
 	"context"
 	"database/sql"
+	"fmt"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -39,8 +42,8 @@ func TestRetentionRetryCommittedMeanwhile(t *testing.T) {
 	}
 	turned := make(chan result, 1)
 	go func() {
-		n, _, err := retentionTurn(context.Background(), s.DB, walkOf(7*24*time.Hour, false), 0)
-		turned <- result{n, err}
+		res := retentionTurn(context.Background(), s.DB, walkOf(7*24*time.Hour, false), 0)
+		turned <- result{res.n, res.err}
 	}()
 	var got *result
 	waitFor(t, 10*time.Second, "the retention turn waiting for the retry's row lock, or done", func() bool {
@@ -166,14 +169,14 @@ func TestRetentionStopsAtYoungRows(t *testing.T) {
 			if turns == 100 {
 				t.Fatalf("the walk (full %v) did not end in 100 turns", full)
 			}
-			n, next, err := retentionTurn(context.Background(), db, w, cursor)
-			if err != nil {
-				t.Fatalf("retention turn: %v", err)
+			res := retentionTurn(context.Background(), db, w, cursor)
+			if res.err != nil {
+				t.Fatalf("retention turn: %v", res.err)
 			}
-			if total += n; next == 0 {
+			if total += res.n; res.cursor == 0 {
 				break
 			}
-			cursor = next
+			cursor = res.cursor
 		}
 		return total, fetched() - before
 	}
@@ -234,12 +237,12 @@ func TestRetentionWalkAcrossTurns(t *testing.T) {
 			if r.cursor == 0 {
 				full = append(full, w.full)
 			}
-			n, next, err := retentionTurn(context.Background(), s.DB, w, r.cursor)
-			r.ended(retentionDone{n: n, cursor: next, err: err}, now)
-			if err != nil {
-				t.Fatalf("retention turn: %v", err)
+			res := retentionTurn(context.Background(), s.DB, w, r.cursor)
+			r.ended(res, now)
+			if res.err != nil {
+				t.Fatalf("retention turn: %v", res.err)
 			}
-			if next == 0 {
+			if res.cursor == 0 {
 				walks++
 			}
 		}
@@ -271,5 +274,165 @@ func TestRetentionWalkAcrossTurns(t *testing.T) {
 	}
 	if !(&retainer{}).nextWalk(start).full {
 		t.Errorf("the first walk after the start is not a full one")
+	}
+}
+
+// refusingApp gives the test schema an application that refuses the deletion of two rows
+// by a foreign key without ON DELETE (a and c) and of one by its trigger (b).
+func refusingApp(t *testing.T, s *testSchema, a, b, c int64) {
+	t.Helper()
+	s.exec(t, `CREATE TABLE app_ref (msg bigint REFERENCES workqueue)`)
+	s.exec(t, `INSERT INTO app_ref VALUES ($1), ($2)`, a, c)
+	s.exec(t, `CREATE FUNCTION app_keep() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF OLD.workqueue_id = `+strconv.FormatInt(b, 10)+` THEN
+				RAISE EXCEPTION 'the application keeps message %', OLD.workqueue_id;
+			END IF;
+			RETURN OLD;
+		END $$`)
+	s.exec(t, `CREATE TRIGGER app_keep BEFORE DELETE ON workqueue FOR EACH ROW EXECUTE FUNCTION app_keep()`)
+}
+
+// TestRetentionRowRefused: the database refuses to delete three of 30 old done rows (an
+// application's foreign key to two, its trigger for one). The walk deletes the 27 others,
+// those after the refused rows included, and reports the three; the next walk leaves them
+// out (no batch is refused again); the daily full walk tries them again and, the
+// application having let go, deletes them. A batch refused for one row used to fail its turn
+// at the same place every minute, and nothing past it was deleted again.
+func TestRetentionRowRefused(t *testing.T) {
+	s := newTestSchema(t)
+	old := `now() - interval '10 days', now() - interval '9 days'`
+	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at) SELECT 'zz', 'done', `+old+` FROM generate_series(1, 30)`)
+	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'zz', 'done' FROM generate_series(1, 5)`)
+	first := int64(s.count(t, `SELECT min(workqueue_id) FROM workqueue`))
+	kept := []int64{first + 4, first + 11, first + 19}
+	refusingApp(t, s, kept[0], kept[1], kept[2])
+
+	start := time.Now()
+	r := &retainer{age: 7 * 24 * time.Hour, lastFull: start} // a full walk has just ended
+	walk := func(now time.Time) (deleted int64, refused []int64, full bool) {
+		for turns := 0; ; turns++ {
+			if turns == 50 {
+				t.Fatalf("a walk did not end in 50 turns")
+			}
+			w := r.nextWalk(now)
+			w.batch, w.window, w.batches = 4, 10, 2
+			full = full || w.full
+			res := retentionTurn(context.Background(), s.DB, w, r.cursor)
+			r.ended(res, now)
+			if res.err != nil {
+				t.Fatalf("retention turn: %v", res.err)
+			}
+			deleted += res.n
+			for _, rr := range res.refused {
+				refused = append(refused, rr.id)
+				if !strings.Contains(rr.err.Error(), "foreign key") && !strings.Contains(rr.err.Error(), "the application keeps") {
+					t.Errorf("row %d refused with %v, want the foreign key's or the trigger's error", rr.id, rr.err)
+				}
+			}
+			if res.cursor == 0 {
+				return deleted, refused, full
+			}
+		}
+	}
+	left := func() []int64 {
+		var ids []int64
+		rows, err := s.DB.Query(`SELECT workqueue_id FROM workqueue WHERE created_at < now() - interval '9 days' ORDER BY 1`)
+		if err != nil {
+			t.Fatalf("read the old rows left: %v", err)
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var id int64
+			if err := rows.Scan(&id); err != nil {
+				t.Fatalf("read the old rows left: %v", err)
+			}
+			ids = append(ids, id)
+		}
+		return ids
+	}
+
+	_, refused, _ := walk(start.Add(time.Minute))
+	if !slices.Equal(refused, kept) {
+		t.Errorf("the walk reported rows %v refused, want %v", refused, kept)
+	}
+	if got := left(); !slices.Equal(got, kept) {
+		t.Errorf("old rows left after the walk: %v, want only the refused %v", got, kept)
+	}
+	if deleted, refused, full := walk(start.Add(2 * time.Minute)); deleted != 0 || len(refused) != 0 || full {
+		t.Errorf("the next walk (full %v) deleted %d rows and had %v refused again; want none: the refused rows are left out",
+			full, deleted, refused)
+	}
+
+	s.exec(t, `DELETE FROM app_ref`)
+	s.exec(t, `DROP TRIGGER app_keep ON workqueue`)
+	if deleted, refused, full := walk(start.Add(retentionFullEvery)); deleted != 3 || len(refused) != 0 || !full {
+		t.Errorf("the day's full walk (full %v) deleted %d rows, %v refused; want the 3 let go deleted", full, deleted, refused)
+	}
+	if n := s.count(t, `SELECT count(*) FROM workqueue`); n != 5 {
+		t.Errorf("%d rows left, want the 5 young ones", n)
+	}
+}
+
+// TestRetentionRowRefusedDaemon: the same application, under the daemon: the first turn
+// after the start deletes the rows it may and says which ones the database refused, once.
+func TestRetentionRowRefusedDaemon(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at)
+		SELECT 'zz', 'done', now() - interval '10 days', now() - interval '9 days' FROM generate_series(1, 3000)`)
+	first := int64(s.count(t, `SELECT min(workqueue_id) FROM workqueue`))
+	refusingApp(t, s, first+10, first+1500, first+2999)
+	d := startDaemon(t, baseConf(s, "RETENTION = 7d"), "pipeline")
+	waitFor(t, 30*time.Second, "the old rows deleted but the three refused", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue`) == 3
+	})
+	const said = "retention: the database refused to delete these old rows"
+	d.waitLog(said, 5*time.Second)
+	var line string
+	for _, l := range strings.Split(d.log.String(), "\n") {
+		if strings.Contains(l, said) {
+			line = l
+		}
+	}
+	want := fmt.Sprintf("rows=3 ids=\"[%d %d %d]\"", first+10, first+1500, first+2999)
+	if !strings.Contains(line, want) {
+		t.Errorf("the refusal's line %q does not say %s", line, want)
+	}
+	d.stop()
+	if n := strings.Count(d.log.String(), "retention: the database refused"); n != 1 {
+		t.Errorf("%d refusal lines, want 1", n)
+	}
+}
+
+// TestRetentionAllRefused: an application that references every old row. A turn spends one
+// statement per row on the first batch only, reports its rows refused and ends there; the
+// next goes on after them, and no turn deletes anything.
+func TestRetentionAllRefused(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at)
+		SELECT 'zz', 'done', now() - interval '10 days', now() - interval '9 days' FROM generate_series(1, 12)`)
+	s.exec(t, `CREATE TABLE app_ref (msg bigint REFERENCES workqueue)`)
+	s.exec(t, `INSERT INTO app_ref SELECT workqueue_id FROM workqueue`)
+	first := int64(s.count(t, `SELECT min(workqueue_id) FROM workqueue`))
+
+	r := &retainer{age: 7 * 24 * time.Hour, lastFull: time.Now()}
+	for turn, want := range [][]int64{{first, first + 3}, {first + 4, first + 7}, {first + 8, first + 11}} {
+		w := r.nextWalk(time.Now())
+		w.batch, w.window, w.batches = 4, 10, 3
+		res := retentionTurn(context.Background(), s.DB, w, r.cursor)
+		r.ended(res, time.Now())
+		if res.err != nil {
+			t.Fatalf("turn %d: %v", turn+1, res.err)
+		}
+		if len(res.refused) != 4 || res.refused[0].id != want[0] || res.refused[3].id != want[1] || res.n != 0 {
+			t.Errorf("turn %d deleted %d rows and had %d refused (%v); want rows %d to %d refused, nothing else",
+				turn+1, res.n, len(res.refused), res.refused, want[0], want[1])
+		}
+	}
+	if n := s.count(t, `SELECT count(*) FROM workqueue`); n != 12 {
+		t.Errorf("%d rows left, want all 12", n)
+	}
+	if len(r.refused) != 12 {
+		t.Errorf("the retainer remembers %d refused rows, want 12", len(r.refused))
 	}
 }
