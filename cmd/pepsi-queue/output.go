@@ -3,7 +3,7 @@
 // JSON: one object per row, the column names as keys; numbers and booleans as JSON numbers and
 // booleans, times in RFC 3339, intervals (ages) in seconds, arrays as JSON arrays, NULL as null.
 // The table: ages as 3m12s, times in UTC to the second, errors cut to one line; in it and in
-// show, what a terminal would act on is written as an escape (printable).
+// show, what a terminal would act on is written as an escape (internal/printable).
 
 package main
 
@@ -17,10 +17,9 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
-	"unicode"
-	"unicode/utf8"
 
 	"github.com/lib/pq"
+	"pepsi-dispatch/internal/printable"
 )
 
 // query runs q and prints its rows.
@@ -174,14 +173,14 @@ func cell(name string, v any) string {
 		}
 		return strconv.FormatBool(x)
 	case []string:
-		return printable(strings.Join(x, ","))
+		return printable.String(strings.Join(x, ","))
 	case string:
 		line, _, cut := strings.Cut(x, "\n")
 		line = strings.ReplaceAll(line, "\t", " ")
 		if i := runeOffset(line, 100); i < len(line) {
 			line, cut = line[:i], true
 		}
-		line = printable(line)
+		line = printable.String(line)
 		if cut {
 			line += "…"
 		}
@@ -200,45 +199,6 @@ func runeOffset(s string, n int) int {
 		n--
 	}
 	return len(s)
-}
-
-// printable returns s with what a terminal would act on rather than show written as Go
-// escapes (\x1b, \u202e): control characters (C0, DEL, C1), the bidirectional formatting
-// characters that reorder a line on screen, and bytes that are not UTF-8. Errors and stage
-// names are written by stage programs and producers, which often quote their input (an
-// e-mail's subject, a remote server's answer): an ESC there would otherwise reach the
-// operator's terminal as a command (clear the screen, set its title, hide the rest of the
-// line). The table and show print through it; --json escapes by its own rules and keeps the
-// text exactly.
-func printable(s string) string {
-	i := strings.IndexFunc(s, func(r rune) bool { return r == utf8.RuneError || unsafeRune(r) })
-	if i < 0 {
-		return s
-	}
-	var b strings.Builder
-	b.WriteString(s[:i])
-	for s = s[i:]; s != ""; {
-		r, n := utf8.DecodeRuneInString(s)
-		switch {
-		case r == utf8.RuneError && n == 1:
-			fmt.Fprintf(&b, `\x%02x`, s[0])
-		case r < 0x80 && unsafeRune(r):
-			fmt.Fprintf(&b, `\x%02x`, r)
-		case unsafeRune(r):
-			fmt.Fprintf(&b, `\u%04x`, r)
-		default:
-			b.WriteString(s[:n])
-		}
-		s = s[n:]
-	}
-	return b.String()
-}
-
-// unsafeRune: a control character, or one of Unicode's bidirectional formatting characters
-// (Bidi_Control: the marks U+061C, U+200E, U+200F; the embeddings and overrides U+202A to
-// U+202E; the isolates U+2066 to U+2069).
-func unsafeRune(r rune) bool {
-	return unicode.IsControl(r) || unicode.Is(unicode.Bidi_Control, r)
 }
 
 // formatAge prints seconds as 45s, 3m12s, 5h03m, 2d04h.
@@ -291,7 +251,7 @@ func printMessage(w io.Writer, msg []byte) error {
 				s = str
 			}
 		}
-		fmt.Fprintf(w, "%-16s %s\n", k+":", printable(s))
+		fmt.Fprintf(w, "%-16s %s\n", k+":", printable.String(s))
 	}
 	fmt.Fprintln(w)
 	return nil

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"unicode"
 	"unicode/utf8"
+
+	"pepsi-dispatch/internal/printable"
 )
 
 // TestTableShowsControlCharacters: an error text or a stage name that holds what a terminal
@@ -87,7 +89,7 @@ func FuzzPrintable(f *testing.F) {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, s string) {
-		shown := printable(s)
+		shown := printable.String(s)
 		line := cell("dispatch_error", s)
 		for _, out := range []string{shown, line} {
 			if !utf8.ValidString(out) {
