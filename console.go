@@ -26,6 +26,8 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"pepsi-dispatch/internal/printable"
 )
 
 // consoleStatementTimeout bounds every query a page runs: a slow page must never hold a
@@ -60,6 +62,11 @@ func newConsole(pool func() *sql.DB, snap func() *metricsSnapshot, auth *console
 		"chart": chartSVG,
 		"age":   fmtAge,
 		"json":  prettyJSON,
+		// shown is every text the console did not write itself (stage names, errors, the
+		// configuration's values, an action's result), as a text node: what would reorder
+		// the page (U+202E) or not show at all (ESC, CR) is written as an escape, as
+		// pepsi-queue does. Attributes, links and form values carry the exact text.
+		"shown": printable.Lines,
 		// searchURL is a search page's address: its query is built by url.Values.Encode, so
 		// it is marked safe for the href it fills, not escaped a second time.
 		"searchURL": func(v url.Values) template.URL { return template.URL("/search?" + v.Encode()) },
@@ -566,9 +573,9 @@ func prettyJSON(b []byte) string {
 	}
 	var out bytes.Buffer
 	if json.Indent(&out, b, "", "  ") != nil {
-		return string(b)
+		return printable.Lines(string(b))
 	}
-	return out.String()
+	return printable.Lines(out.String())
 }
 
 func fmtAge(d time.Duration) string {

@@ -23,6 +23,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unicode"
 	"unicode/utf8"
 )
 
@@ -175,6 +176,50 @@ func TestConsolePages(t *testing.T) {
 		if _, body := h.get(t, nil, p); strings.Contains(body, `action="/action"`) {
 			t.Errorf("GET %s: an action form is shown without a credential", p)
 		}
+	}
+}
+
+// TestConsoleShowsControlCharacters: stage names, errors, payloads and the configuration's
+// values are written by producers and stages; those holding Unicode's bidirectional overrides
+// (which reorder what follows: "U+202E gnp.exe" reads "exe.png") or control characters (ESC,
+// CR) are shown with those written as escapes on every page, as pepsi-queue shows them, while
+// links carry the exact text.
+func TestConsoleShowsControlCharacters(t *testing.T) {
+	h := newConsoleHarness(t, "")
+	const stage, reason = "ru\u202eexe.txt", "boom \x1b[2J\r\u2066gnp.exe\u2069"
+	id := h.s.count(t, `INSERT INTO workqueue (stage, status, attempts, payload, state)
+		VALUES ($1, 'failed', 1, jsonb_build_object('name', 'a' || chr(8238) || 'b'), jsonb_build_object('dispatch_error', $2::text))
+		RETURNING workqueue_id`, stage, reason)
+	h.s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-ru' || chr(8238) || 'x', 'PROGRAM', '/bin/' || chr(8238) || 'fdp')`)
+	tags := regexp.MustCompile(`<[^>]*>`)
+	for _, tc := range []struct {
+		path string
+		want []string // in the page's text, escaped
+	}{
+		{"/", []string{`ru\u202eexe.txt`}},
+		{"/search", []string{`ru\u202eexe.txt`, `boom \x1b[2J\x0d\u2066gnp.exe\u2069`}},
+		{"/failures", []string{`ru\u202eexe.txt`}},
+		{"/message/" + strconv.Itoa(id), []string{`ru\u202eexe.txt`, `boom \x1b[2J\x0d\u2066gnp.exe\u2069`, `a\u202eb`}},
+		{"/stages", []string{`stage-ru\u202ex`, `/bin/\u202efdp`}},
+	} {
+		code, body := h.get(t, nil, tc.path)
+		if code != 200 {
+			t.Fatalf("GET %s: status %d\n%s", tc.path, code, body)
+		}
+		text := tags.ReplaceAllString(body, " ")
+		for _, r := range text {
+			if r != '\n' && r != '\t' && (unicode.IsControl(r) || unicode.Is(unicode.Bidi_Control, r)) {
+				t.Errorf("GET %s: the page's text holds %U", tc.path, r)
+			}
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(text, w) {
+				t.Errorf("GET %s: the page's text lacks %q", tc.path, w)
+			}
+		}
+	}
+	if _, body := h.get(t, nil, "/"); !strings.Contains(body, `href="/search?stage=ru%e2%80%aeexe.txt&amp;status=failed"`) {
+		t.Errorf("the overview's link to the stage's failed rows does not carry its exact name")
 	}
 }
 
