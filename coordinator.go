@@ -131,6 +131,8 @@ type coordinatorDeps struct {
 
 	orphans     []*message     // the running rows of an earlier run that resetOrphans met
 	orphansHeld map[int64]bool // those it could not reset: another transaction held them
+	// orphansRefused: those whose reset the database refused by itself (resetRows)
+	orphansRefused map[int64]error
 }
 
 // newCoordinator builds a coordinator over an acquired instance. ctx must outlive the
@@ -163,7 +165,9 @@ func newCoordinator(ctx context.Context, d coordinatorDeps) *coordinator {
 	c.workerEnv = append(c.workerEnv, "PGAPPNAME="+inst.workerAppName())
 	c.fanin = newFanin(cfg.Dispatch, &c.stats.Fanin)
 	c.setStages(cfg.Stages)
-	// Held orphans are reset once their holder lets go, like the reconcile's.
+	// Held orphans are reset once their holder lets go, like the reconcile's; refused ones
+	// are tried again as often.
+	c.keepRefusedResets(d.orphans, d.orphansRefused, d.orphansHeld)
 	if c.keepHeldResets(d.orphans, d.orphansHeld) > 0 {
 		c.retryHeldAfter(time.Now())
 	}

@@ -375,6 +375,106 @@ func TestFailureWriteRefusedAlone(t *testing.T) {
 	d.stop()
 }
 
+// refuseResets gives the test schema an application whose trigger refuses to put a running
+// message back to pending when its payload says "poison", and counts its refusals in a
+// sequence (nextval outlives the refused statement). It returns the count and the trigger's
+// drop.
+func refuseResets(t *testing.T, s *testSchema) (refusals func() int, drop func()) {
+	t.Helper()
+	s.exec(t, `CREATE SEQUENCE app_refusals`)
+	s.exec(t, `CREATE FUNCTION app_refuse_reset() RETURNS trigger LANGUAGE plpgsql AS $$
+	    BEGIN
+	        PERFORM nextval('app_refusals');
+	        RAISE EXCEPTION 'the application refuses to run message % again', NEW.workqueue_id;
+	    END $$`)
+	s.exec(t, `CREATE TRIGGER app_refuse_reset BEFORE UPDATE OF status ON workqueue FOR EACH ROW
+	    WHEN (OLD.status = 'running' AND NEW.status = 'pending' AND OLD.payload ? 'poison')
+	    EXECUTE FUNCTION app_refuse_reset()`)
+	refusals = func() int {
+		return s.count(t, `SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM app_refusals`)
+	}
+	return refusals, func() { s.exec(t, `DROP TRIGGER app_refuse_reset ON workqueue`) }
+}
+
+// TestResetRefusedAlone: an application's trigger refuses to put one message back to pending
+// (its payload says "poison"), where the dispatcher resets rows: at the start (a running row
+// of an earlier run), in its loop (a message queued behind one that crashed its worker), and
+// in the reconcile after a lost lock connection (a running row nobody holds). The other rows
+// go back to pending and run, and every stage goes on claiming, while the refused reset waits,
+// its row running, tried again every second and logged once; once the trigger is gone it is
+// reset and runs, once. Before, the reset of all of them was refused at every retry: the start
+// failed (and so did the next), the loop and the reconcile stopped every claim.
+func TestResetRefusedAlone(t *testing.T) {
+	const said = "the database refused this message's reset to pending alone"
+	conf := func(s *testSchema) string {
+		return baseConf(s, "") + stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4\nMAX_ATTEMPTS = 1") +
+			stageConf(t, "b", "", "PARALLELISM = 1")
+	}
+	// goesOn: n messages enqueued at b are done (done rows then want), the poison row stays
+	// running through three refusals, said once; then the trigger goes and it runs, once.
+	goesOn := func(t *testing.T, s *testSchema, d *daemon, poison int64, want int, refusals func() int, drop func()) {
+		t.Helper()
+		enqueue(t, s, "b", 3, `{}`)
+		waitFor(t, 30*time.Second, "the other messages done, those enqueued at b included", func() bool {
+			return countStatus(t, s, "done") == want
+		})
+		waitFor(t, 10*time.Second, "the poison row's reset refused three times", func() bool { return refusals() >= 3 })
+		if r := row(t, s, poison); r.status != "running" {
+			t.Errorf("the poison row is %s while its reset is refused, want running", r.status)
+		}
+		heldRowRunsOnce(t, s, poison, drop, want+1)
+		if r := row(t, s, poison); r.attempts != 0 {
+			t.Errorf("the poison row was charged %d attempts for resets, want 0", r.attempts)
+		}
+		if n := strings.Count(d.log.String(), said); n != 1 {
+			t.Errorf("the refusal was logged %d times, want once:\n%s", n, d.log.String())
+		}
+		d.stop()
+	}
+
+	t.Run("start", func(t *testing.T) {
+		s := newTestSchema(t)
+		s.exec(t, runsDDL)
+		refusals, drop := refuseResets(t, s)
+		s.exec(t, `INSERT INTO workqueue (stage, payload, status, claim) VALUES ('a', '{}', 'running', 424241)`)
+		poison := int64(s.count(t, `INSERT INTO workqueue (stage, payload, status, claim)
+		    VALUES ('a', '{"poison": true}', 'running', 424242) RETURNING workqueue_id`))
+		d := startDaemon(t, conf(s), "pipeline")
+		d.waitLog("dispatching", dbStatementBudget)
+		goesOn(t, s, d, poison, 4, refusals, drop)
+	})
+
+	t.Run("loop", func(t *testing.T) {
+		s := newTestSchema(t)
+		s.exec(t, runsDDL)
+		refusals, drop := refuseResets(t, s)
+		d := startDaemon(t, conf(s), "pipeline")
+		warmUp(t, s, "a")
+		// Enqueued together, they reach a's one worker in one write: the crasher at the head,
+		// the others never run, to be reset.
+		s.exec(t, `INSERT INTO workqueue (stage, payload) VALUES ('a', '{"crash_at": "a"}'), ('a', '{"poison": true}'), ('a', '{}'), ('a', '{}')`)
+		poison := int64(s.count(t, `SELECT max(workqueue_id) - 2 FROM workqueue`))
+		goesOn(t, s, d, poison, 6, refusals, drop)
+		if n := countStatus(t, s, "failed"); n != 1 {
+			t.Errorf("%d failed rows, want the crasher's", n)
+		}
+	})
+
+	t.Run("reconcile", func(t *testing.T) {
+		s := newTestSchema(t)
+		s.exec(t, runsDDL)
+		refusals, drop := refuseResets(t, s)
+		d := startDaemon(t, conf(s), "pipeline")
+		d.waitLog("dispatching", 30*time.Second)
+		s.exec(t, `INSERT INTO workqueue (stage, payload, status, claim) VALUES ('a', '{}', 'running', 424241)`)
+		poison := int64(s.count(t, `INSERT INTO workqueue (stage, payload, status, claim)
+		    VALUES ('a', '{"poison": true}', 'running', 424242) RETURNING workqueue_id`))
+		terminateLockSession(t, s)
+		d.waitLog("single-instance lock taken again", 30*time.Second)
+		goesOn(t, s, d, poison, 4, refusals, drop)
+	})
+}
+
 func TestCrashFailsHeadRequeuesRest(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)

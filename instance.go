@@ -207,18 +207,21 @@ func (in *instance) fence(ctx context.Context, version string) (int, error) {
 // fence: then nobody else can be working on them. It goes through resetSQL, which passes over
 // a row another transaction holds (an operator's or an application's, left open: fence ended
 // the earlier run's own sessions) instead of waiting for it with no budget before the first
-// claim; those are in held, for the coordinator to reset once let go (writeOutcomes).
-func (in *instance) resetOrphans(ctx context.Context) (orphans []*message, written int64, held map[int64]bool, err error) {
+// claim; those are in held, for the coordinator to reset once let go (writeOutcomes). So are
+// the rows whose reset the database refused by itself (refused: an application's trigger),
+// which used to stop the start, and the next (resetRows).
+func (in *instance) resetOrphans(ctx context.Context) (orphans []*message, written int64, held map[int64]bool,
+	refused map[int64]error, err error) {
 	if orphans, err = readRunning(ctx, in.conn); err != nil {
-		return nil, 0, nil, fmt.Errorf("reset orphaned running rows: %w", err)
+		return nil, 0, nil, nil, fmt.Errorf("reset orphaned running rows: %w", err)
 	}
 	if len(orphans) == 0 {
-		return nil, 0, nil, nil
+		return nil, 0, nil, nil, nil
 	}
-	if written, held, err = writeResets(ctx, in.conn, orphans); err != nil {
-		return nil, 0, nil, fmt.Errorf("reset orphaned running rows: %w", err)
+	if written, held, refused, err = resetRows(ctx, in.conn, orphans, time.Time{}); err != nil {
+		return nil, 0, nil, nil, fmt.Errorf("reset orphaned running rows: %w", err)
 	}
-	return orphans, written, held, nil
+	return orphans, written, held, refused, nil
 }
 
 // relock replaces a lost lock connection. It succeeds only if the lock is free and no other

@@ -253,12 +253,12 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	if err != nil {
 		return err
 	}
-	orphans, orphansReset, orphansHeld, err := inst.resetOrphans(ctx)
+	orphans, orphansReset, orphansHeld, orphansRefused, err := inst.resetOrphans(ctx)
 	if err != nil {
 		return err
 	}
 	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphansReset,
-		"orphans_held", len(orphansHeld), "server", inst.server)
+		"orphans_held", len(orphansHeld)+len(orphansRefused), "server", inst.server)
 	work, err := openWorkPool(cfg, inst) // db keeps the lock connection alone
 	if err != nil {
 		return err
@@ -316,7 +316,7 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	}
 	c := newCoordinator(cctx, coordinatorDeps{cfg: &run, version: version, log: log, db: work, inst: inst,
 		notify: listener.Notify, sigs: sigs, hups: hups, metrics: metrics, notifier: sd, retain: retain, ha: ha,
-		orphans: orphans, orphansHeld: orphansHeld})
+		orphans: orphans, orphansHeld: orphansHeld, orphansRefused: orphansRefused})
 	if metrics != nil {
 		metrics.publish(c.snapshot())
 	}

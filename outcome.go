@@ -329,12 +329,13 @@ func (c *coordinator) writeOutcomes() bool {
 	c.resets = slices.DeleteFunc(c.resets, func(m *message) bool { return m.forgotten })
 	if len(c.resets) > 0 {
 		ctx, cancel := c.budget()
-		n, held, err := writeResets(ctx, c.inst.conn, c.resets)
+		n, held, refused, err := resetRows(ctx, c.inst.conn, c.resets, now.Add(refusedSplitBudget))
 		cancel()
 		if err != nil {
 			c.dbTrouble("reset messages to pending", err)
 			return false
 		}
+		c.keepRefusedResets(c.resets, refused, held)
 		passedOver = c.keepHeldResets(c.resets, held) > 0 || passedOver
 		c.log.Debug("messages put back to pending", "rows", n, "queued", len(c.resets), "held", len(held))
 		c.resets = c.resets[:0]
@@ -378,10 +379,7 @@ func (c *coordinator) writeFailuresAlone(now time.Time) (out []failOutcome, held
 		case err != nil:
 			held[f.m.id] = true
 			f.m.writeHeld = true // over an outage it stays a failure (reconcile.go)
-			if !f.m.writeRefused {
-				f.m.writeRefused = true
-				c.noteRefused(f.m, err)
-			}
+			c.noteRefused(f.m, "failure write", err)
 		default:
 			out = append(out, o...)
 			maps.Copy(held, h)
@@ -390,9 +388,13 @@ func (c *coordinator) writeFailuresAlone(now time.Time) (out []failOutcome, held
 	return out, held, nil
 }
 
-// noteRefused logs, at most failureLinesPerMinute lines a minute, that the database refused
-// m's failure write by itself.
-func (c *coordinator) noteRefused(m *message, err error) {
+// noteRefused logs, once per message and at most failureLinesPerMinute lines a minute, that
+// the database refused m's write (what) by itself.
+func (c *coordinator) noteRefused(m *message, what string, err error) {
+	if m.writeRefused {
+		return
+	}
+	m.writeRefused = true
 	unlogged, ok := c.refusedLog.admit(time.Now(), false)
 	if !ok {
 		return
@@ -401,7 +403,20 @@ func (c *coordinator) noteRefused(m *message, err error) {
 	if unlogged > 0 {
 		args = append(args, "refusals_not_logged", unlogged)
 	}
-	c.log.Warn("the database refused this message's failure write alone; tried again every second, claims go on", args...)
+	c.log.Warn("the database refused this message's "+what+" alone; tried again every second, claims go on", args...)
+}
+
+// keepRefusedResets marks the resets of ms that the database refused by themselves (refused,
+// from resetRows) as held: they wait with the rows another transaction holds, tried again
+// every second, their rows running and ours, said once each (noteRefused, not noteHeld).
+func (c *coordinator) keepRefusedResets(ms []*message, refused map[int64]error, held map[int64]bool) {
+	for _, m := range ms {
+		if err, ok := refused[m.id]; ok {
+			held[m.id] = true
+			m.writeHeld = true
+			c.noteRefused(m, "reset to pending", err)
+		}
+	}
 }
 
 // keepHeldResets keeps the resets of ms whose rows another transaction held (held, from

@@ -131,11 +131,12 @@ func (c *coordinator) reconcile() (reconcileCounts, error) {
 		// A running row without a claim token (claimed by a version before tokens) is read
 		// and guarded as token 0 (resetSQL). A row another transaction holds is reset once
 		// it lets go, like any held reset (writeOutcomes), instead of stopping the reconcile.
-		written, heldRows, err := writeResets(ctx, c.inst.conn, orphans)
+		written, heldRows, refused, err := resetRows(ctx, c.inst.conn, orphans, time.Time{})
 		if err != nil {
 			return n, fmt.Errorf("reconcile: reset %d running rows nobody holds: %w", len(orphans), err)
 		}
 		n.reset = written
+		c.keepRefusedResets(orphans, refused, heldRows)
 		if n.held = c.keepHeldResets(orphans, heldRows); n.held > 0 {
 			c.retryHeldAfter(time.Now())
 		}

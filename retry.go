@@ -15,6 +15,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"maps"
 	"strings"
 	"time"
 
@@ -218,6 +219,42 @@ func writeResets(ctx context.Context, conn *sql.Conn, ms []*message) (written in
 		held[id] = true
 	}
 	return written, held, nil
+}
+
+// resetRows is writeResets for the dispatcher's own resets (the loop's, the reconcile's, the
+// start's): when the database refuses the statement on a connection that still answers, it
+// writes the rows one statement each, so that a refusal that is one row's (an application's
+// trigger or CHECK on workqueue) keeps only that row running, in refused, and the others go
+// back to pending. The statement of all of them refused again and again stopped every claim
+// (the loop's and the reconcile's) or the start itself (TestResetRefusedAlone). Rows not
+// tried by deadline (zero: no deadline) are in held, to be tried again with the rows another
+// transaction holds; held is never nil when refused holds a row. It returns an error only
+// when the connection or ctx is gone.
+func resetRows(ctx context.Context, conn *sql.Conn, ms []*message, deadline time.Time) (
+	written int64, held map[int64]bool, refused map[int64]error, err error) {
+	written, held, err = writeResets(ctx, conn, ms)
+	if err == nil || isOutage(err) || ctx.Err() != nil || conn.PingContext(ctx) != nil {
+		return written, held, nil, err
+	}
+	held, refused = map[int64]bool{}, map[int64]error{}
+	for _, m := range ms {
+		if !deadline.IsZero() && time.Now().After(deadline) {
+			held[m.id] = true
+			m.writeHeld = true // no other transaction's lock: no "a write waits" line for it
+			continue
+		}
+		n, h, err := writeResets(ctx, conn, []*message{m})
+		switch {
+		case err != nil && (isOutage(err) || ctx.Err() != nil):
+			return 0, nil, nil, err
+		case err != nil:
+			refused[m.id] = err
+		default:
+			written += n
+			maps.Copy(held, h)
+		}
+	}
+	return written, held, refused, nil
 }
 
 // flipDue returns due paused rows to pending; it reports how many, and the next due time.
