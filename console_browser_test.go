@@ -115,14 +115,9 @@ func (wd *webDriver) screenshot(dir, name string) int {
 // startBrowser starts chromedriver and one headless Chromium session.
 func startBrowser(t *testing.T) *webDriver {
 	t.Helper()
-	driver, _ := exec.LookPath("chromedriver")
-	browser, _ := exec.LookPath("chromium")
-	if driver == "" || browser == "" {
-		if os.Getenv("CI") == "true" {
-			t.Fatal("chromium and chromedriver are needed (apt-get install chromium chromium-driver)")
-		}
-		t.Skip("chromium or chromedriver not installed")
-	}
+	const checks, install = "the console's test in a real browser", "apt-get install -y chromium chromium-driver"
+	browser := referenceTool(t, "", "chromium", checks, install)
+	driver := referenceTool(t, "", "chromedriver", checks, install)
 	_, port, _ := net.SplitHostPort(freePort(t))
 	cmd := exec.Command(driver, "--port="+port)
 	var log syncBuffer

@@ -22,7 +22,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"os"
 	"os/exec"
 	"regexp"
 	"strconv"
@@ -781,26 +780,11 @@ func startOurs(t *testing.T) (*lockServer, string) {
 	return s, ln.Addr().String()
 }
 
-// pcReferencePath finds Debian's poolcounterd. Missing: fatal in CI, a loud skip elsewhere.
+// pcReferencePath finds Debian's poolcounterd.
 func pcReferencePath(t *testing.T) string {
 	t.Helper()
-	path := os.Getenv("POOLCOUNTERD")
-	if path == "" {
-		if p, err := exec.LookPath("poolcounterd"); err == nil {
-			path = p
-		} else {
-			path = "/usr/bin/poolcounterd"
-		}
-	}
-	if _, err := os.Stat(path); err != nil {
-		msg := fmt.Sprintf("poolcounterd not found (%v): the comparison with the reference server did NOT run; install it with `apt-get install -y poolcounter` or set POOLCOUNTERD", err)
-		if os.Getenv("CI") == "true" {
-			t.Fatal(msg)
-		}
-		fmt.Fprintln(os.Stderr, "WARNING: "+msg)
-		t.Skip(msg)
-	}
-	return path
+	return referenceTool(t, "POOLCOUNTERD", "poolcounterd", "the comparison with the reference server",
+		"apt-get install -y poolcounter", "/usr/bin/poolcounterd")
 }
 
 // startReference runs poolcounterd on a fresh 127.0.0.1:0 listener handed over as fd 0 (it
