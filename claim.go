@@ -28,6 +28,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -593,7 +594,7 @@ func (c *coordinator) claim() {
 	now := time.Now()
 	clear(c.want)
 	for name, p := range c.pools {
-		if p.held(now) || p.cfg.Paused {
+		if p.held(now) || p.cfg.Paused || now.Before(p.refusedUntil) {
 			continue
 		}
 		if free := p.cfg.Capacity() - c.inflight[name]; free > 0 {
@@ -632,15 +633,30 @@ func (c *coordinator) claim() {
 		c.claimWanted = true
 		if errors.Is(err, errSkipLocked) {
 			c.log.Warn(errSkipLocked.Error(), "budget", dbStatementBudget, "for", skipLockedFor)
+		} else if c.claimStagesAlone(now, err) {
+			return
 		}
 		c.dbTrouble("claim", err)
 		return
 	}
 	c.dbBackoff.reset()
-	c.scheduleRetry(res.nextRetry)
-	c.fanin.inbox = res.inbox
-	c.fanin.learn(res.remaining)
+	c.fanin.inbox = false
 	c.backlog = false
+	c.takeClaim(res, c.want)
+}
+
+// takeClaim takes a claim statement's result for the stages of want: the rows to hand out,
+// the next due paused row, what it says of fan-in.
+func (c *coordinator) takeClaim(res claimResult, want map[string]int) {
+	for name := range want {
+		if p := c.pools[name]; p.refused {
+			p.refused = false
+			c.log.Info("the database takes this stage's claims again", "stage", name)
+		}
+	}
+	c.scheduleRetry(res.nextRetry)
+	c.fanin.inbox = c.fanin.inbox || res.inbox
+	c.fanin.learn(res.remaining)
 	if res.parked > 0 {
 		c.log.Debug("rows parked behind saturated concurrency keys", "rows", res.parked)
 	}
@@ -652,11 +668,57 @@ func (c *coordinator) claim() {
 	}
 	c.stats.Global.Claims++
 	for name, msgs := range res.byStage {
-		if len(msgs) == c.want[name] {
+		if len(msgs) == want[name] {
 			c.backlog = true
 		}
 		c.assign(c.pools[name], msgs)
 	}
+}
+
+// claimStagesAlone claims each stage of c.want in a statement of its own, after the database
+// refused the claim of all of them on a connection that still answers. The refusal may be one
+// stage's alone: an application's trigger or CHECK on workqueue that refuses to set a row
+// running (a rule of its own, a bug in its audit trigger), and the claim takes a stage's
+// rows in order, so the row at the head of that stage's queue is in every claim of it.
+// Claiming all stages in one statement again and again stopped every stage
+// (TestClaimRefusedStageAlone). A stage whose own claim is refused waits a second
+// (refusedUntil), said once until the database takes its claims again; the others are
+// claimed now. It returns false when the refusal is not for it to handle: a lost connection,
+// the daemon stopping.
+func (c *coordinator) claimStagesAlone(now time.Time, err error) bool {
+	if isOutage(err) || c.ctx.Err() != nil || c.inst.conn == nil || c.pingLock() != nil {
+		return false
+	}
+	names := slices.Sorted(maps.Keys(c.want))
+	c.fanin.inbox = false
+	c.backlog = false
+	for _, name := range names {
+		if len(names) > 1 {
+			want := map[string]int{name: c.want[name]}
+			ctx, cancel := c.budget()
+			var res claimResult
+			res, err = c.claimer.claim(ctx, c.inst.conn, want, &c.keys)
+			cancel()
+			switch {
+			case err == nil:
+				c.takeClaim(res, want)
+				continue
+			case isOutage(err) || errors.Is(err, errSkipLocked) || c.ctx.Err() != nil:
+				c.dbTrouble("claim", err)
+				return true
+			}
+		}
+		p := c.pools[name]
+		p.refusedUntil = now.Add(heldRetryGap)
+		c.timers.schedule(timerKey{timerRefused, p.id}, p.refusedUntil)
+		if !p.refused {
+			p.refused = true
+			c.log.Warn("the database refused this stage's claim alone; its messages wait, tried again every second, the other stages go on",
+				"stage", name, "err", err)
+		}
+	}
+	c.dbBackoff.reset()
+	return true
 }
 
 // assign hands claimed messages (in claim order) to the stage's workers, packing them.

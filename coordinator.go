@@ -403,7 +403,7 @@ func (c *coordinator) onTimers() {
 			c.watchdog(key, now)
 		case timerLinger:
 			c.onLinger(key)
-		case timerHold:
+		case timerHold, timerRefused:
 			c.claimWanted = true
 		case timerStats:
 			c.flushStats()

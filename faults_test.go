@@ -375,25 +375,29 @@ func TestFailureWriteRefusedAlone(t *testing.T) {
 	d.stop()
 }
 
-// refuseResets gives the test schema an application whose trigger refuses to put a running
-// message back to pending when its payload says "poison", and counts its refusals in a
-// sequence (nextval outlives the refused statement). It returns the count and the trigger's
-// drop.
-func refuseResets(t *testing.T, s *testSchema) (refusals func() int, drop func()) {
+// appRefuses gives the test schema an application whose trigger refuses an update of
+// workqueue's status when its WHEN clause (when) holds, and counts its refusals in a sequence
+// (nextval outlives the refused statement). It returns the count and the trigger's drop.
+func appRefuses(t *testing.T, s *testSchema, when string) (refusals func() int, drop func()) {
 	t.Helper()
 	s.exec(t, `CREATE SEQUENCE app_refusals`)
-	s.exec(t, `CREATE FUNCTION app_refuse_reset() RETURNS trigger LANGUAGE plpgsql AS $$
+	s.exec(t, `CREATE FUNCTION app_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
 	    BEGIN
 	        PERFORM nextval('app_refusals');
-	        RAISE EXCEPTION 'the application refuses to run message % again', NEW.workqueue_id;
+	        RAISE EXCEPTION 'the application refuses to set message % %', NEW.workqueue_id, NEW.status;
 	    END $$`)
-	s.exec(t, `CREATE TRIGGER app_refuse_reset BEFORE UPDATE OF status ON workqueue FOR EACH ROW
-	    WHEN (OLD.status = 'running' AND NEW.status = 'pending' AND OLD.payload ? 'poison')
-	    EXECUTE FUNCTION app_refuse_reset()`)
+	s.exec(t, `CREATE TRIGGER app_refuse BEFORE UPDATE OF status ON workqueue FOR EACH ROW
+	    WHEN (`+when+`) EXECUTE FUNCTION app_refuse()`)
 	refusals = func() int {
 		return s.count(t, `SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM app_refusals`)
 	}
-	return refusals, func() { s.exec(t, `DROP TRIGGER app_refuse_reset ON workqueue`) }
+	return refusals, func() { s.exec(t, `DROP TRIGGER app_refuse ON workqueue`) }
+}
+
+// refuseResets: an application that refuses to put a running message back to pending when
+// its payload says "poison".
+func refuseResets(t *testing.T, s *testSchema) (refusals func() int, drop func()) {
+	return appRefuses(t, s, `OLD.status = 'running' AND NEW.status = 'pending' AND OLD.payload ? 'poison'`)
 }
 
 // TestResetRefusedAlone: an application's trigger refuses to put one message back to pending
@@ -473,6 +477,35 @@ func TestResetRefusedAlone(t *testing.T) {
 		d.waitLog("single-instance lock taken again", 30*time.Second)
 		goesOn(t, s, d, poison, 4, refusals, drop)
 	})
+}
+
+// TestClaimRefusedStageAlone: an application's trigger refuses to set one message of stage a
+// running (its payload says "poison"). Stage a waits, its claim tried again every second and
+// the refusal said once, while stage b's messages are claimed and done; once the trigger is
+// gone, stage a's messages run, the poison one once. Before, the claim of all stages was
+// refused in one statement at every retry, and no stage claimed again.
+func TestClaimRefusedStageAlone(t *testing.T) {
+	const said = "the database refused this stage's claim alone"
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	refusals, drop := appRefuses(t, s, `NEW.status = 'running' AND OLD.payload ? 'poison'`)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4")+
+		stageConf(t, "b", "", "PARALLELISM = 1"), "pipeline")
+	d.waitLog("dispatching", 30*time.Second)
+	poison := insertOne(t, s, "a", `{"poison": true}`)
+	enqueue(t, s, "a", 3, `{}`)
+	enqueue(t, s, "b", 5, `{}`)
+	waitFor(t, 30*time.Second, "stage b's 5 messages done", func() bool { return countStatus(t, s, "done") == 5 })
+	waitFor(t, 10*time.Second, "stage a's claim refused three times", func() bool { return refusals() >= 3 })
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE stage = 'a' AND status = 'pending'`); n != 4 {
+		t.Errorf("%d of stage a's 4 messages pending while its claim is refused, want 4", n)
+	}
+	heldRowRunsOnce(t, s, poison, drop, 9)
+	d.waitLog("the database takes this stage's claims again", 5*time.Second)
+	if n := strings.Count(d.log.String(), said); n != 1 {
+		t.Errorf("the refusal was logged %d times, want once:\n%s", n, d.log.String())
+	}
+	d.stop()
 }
 
 func TestCrashFailsHeadRequeuesRest(t *testing.T) {

@@ -29,6 +29,11 @@ type pool struct {
 	holdUntil time.Time     // no claims and no starts before this
 	holdDelay time.Duration // the next cool-down
 
+	// refusedUntil: the database refused this stage's claim by itself (claimStagesAlone); no
+	// claim for it before this. refused: that was said, and its end is still to be said.
+	refusedUntil time.Time
+	refused      bool
+
 	fuse string // PEPSI_FUSE for its workers: the stages they may run in the same pass
 
 	// startupHead is the head message of the last worker that died before its first answer.

@@ -31,6 +31,7 @@ const (
 	timerRetention                   // delete old done rows
 	timerMetrics                     // publish a /metrics snapshot
 	timerSDWatchdog                  // tell systemd the loop is alive
+	timerRefused                     // id = pool: claim the stage whose claim was refused again
 )
 
 type timerKey struct {
