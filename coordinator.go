@@ -84,6 +84,9 @@ type coordinator struct {
 	// with the queued ones from heldWritesAt on, not at every settle (outcome.go).
 	heldFailures []failure
 	heldResets   []*message
+	// flipRefused: paused rows whose return to pending the database refused by itself; left
+	// out of the flip's statement and tried alone at each flip (flip).
+	flipRefused  map[int64]bool
 	heldWritesAt time.Time
 	refusedLog   failureLog // the rate limit of "refused this message's failure write alone" lines
 
@@ -310,10 +313,7 @@ func (c *coordinator) settle() {
 		}
 	}
 	if c.retryWanted {
-		ctx, cancel := c.budget()
-		c.lastFlip = time.Now()
-		n, next, err := flipDue(ctx, c.inst.conn)
-		cancel()
+		n, next, err := c.flip()
 		if err != nil {
 			c.dbTrouble("return due paused rows", err)
 			return

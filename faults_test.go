@@ -508,6 +508,38 @@ func TestClaimRefusedStageAlone(t *testing.T) {
 	d.stop()
 }
 
+// TestFlipRefusedAlone: an application's trigger refuses to put one paused message back to
+// pending when its retry is due (its payload says "poison"). The other due message is
+// returned and done, and every stage goes on claiming, while the refused one stays paused,
+// tried again every second and said once; once the trigger is gone it runs, once. Before,
+// the flip of all due rows was refused at every retry, and since the loop flips before it
+// claims, no stage claimed again.
+func TestFlipRefusedAlone(t *testing.T) {
+	const said = "the database refused this paused message's return to pending alone"
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	refusals, drop := appRefuses(t, s, `OLD.status = 'paused' AND NEW.status = 'pending' AND OLD.payload ? 'poison'`)
+	poison := int64(s.count(t, `INSERT INTO workqueue (stage, payload, status, retry_at, attempts)
+	    VALUES ('a', '{"poison": true}', 'paused', now() - interval '1 second', 1) RETURNING workqueue_id`))
+	s.exec(t, `INSERT INTO workqueue (stage, payload, status, retry_at, attempts)
+	    VALUES ('a', '{}', 'paused', now() - interval '1 second', 1)`)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1")+stageConf(t, "b", "", "PARALLELISM = 1"), "pipeline")
+	d.waitLog("dispatching", 30*time.Second)
+	enqueue(t, s, "b", 3, `{}`)
+	waitFor(t, 30*time.Second, "the other due message and the 3 at stage b done", func() bool {
+		return countStatus(t, s, "done") == 4
+	})
+	waitFor(t, 10*time.Second, "the poison row's flip refused three times", func() bool { return refusals() >= 3 })
+	if r := row(t, s, poison); r.status != "paused" {
+		t.Errorf("the poison row is %s while its flip is refused, want paused", r.status)
+	}
+	heldRowRunsOnce(t, s, poison, drop, 5)
+	if n := strings.Count(d.log.String(), said); n != 1 {
+		t.Errorf("the refusal was logged %d times, want once:\n%s", n, d.log.String())
+	}
+	d.stop()
+}
+
 func TestCrashFailsHeadRequeuesRest(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)

@@ -16,6 +16,7 @@ import (
 	"database/sql"
 	"fmt"
 	"maps"
+	"slices"
 	"strings"
 	"time"
 
@@ -125,11 +126,16 @@ SELECT (SELECT count(*) FROM w),
 // heartbeat's claim reports it when the pipeline is idle), so it is returned soon after its
 // lock goes. Flips are rare (failures and defers), so the row lock before the update costs
 // nothing that matters.
+//
+// Rows whose flip the database refused by itself ($1: flipRows) are left out; $2, when not
+// NULL, flips that one row alone.
 const retrySQL = `
 WITH due AS (
     UPDATE workqueue w SET status = 'pending', retry_at = NULL, status_at = now()
      WHERE w.workqueue_id IN (SELECT p.workqueue_id FROM workqueue p
                                WHERE p.status = 'paused' AND p.retry_at <= now()
+                                 AND p.workqueue_id <> ALL ($1::bigint[])
+                                 AND ($2::bigint IS NULL OR p.workqueue_id = $2)
                                  FOR UPDATE SKIP LOCKED)
        AND w.status = 'paused'
     RETURNING 1
@@ -257,12 +263,115 @@ func resetRows(ctx context.Context, conn *sql.Conn, ms []*message, deadline time
 	return written, held, refused, nil
 }
 
-// flipDue returns due paused rows to pending; it reports how many, and the next due time.
-func flipDue(ctx context.Context, conn *sql.Conn) (int64, time.Time, error) {
+// flipDue returns due paused rows to pending, but those in skip; it reports how many, and the
+// next due time.
+func flipDue(ctx context.Context, conn *sql.Conn, skip []int64) (int64, time.Time, error) {
 	var n int64
 	var next sql.NullTime
-	if err := conn.QueryRowContext(ctx, retrySQL).Scan(&n, &next); err != nil {
+	if err := conn.QueryRowContext(ctx, retrySQL, pq.Array(append([]int64{}, skip...)), nil).Scan(&n, &next); err != nil {
 		return 0, time.Time{}, fmt.Errorf("return due paused rows to pending: %w", err)
 	}
 	return n, next.Time, nil
+}
+
+// dueSQL lists due paused rows, for a flip the database refused.
+const dueSQL = `SELECT workqueue_id FROM workqueue WHERE status = 'paused' AND retry_at <= now()
+    AND workqueue_id <> ALL ($1::bigint[]) ORDER BY retry_at, workqueue_id LIMIT 1000`
+
+// flipRows is flipDue for one row at a time, after the database refused the flip of all of
+// them on a connection that still answers: an application's trigger or CHECK on workqueue
+// that refuses to put one row back to pending made the one statement fail at every retry,
+// and since the loop flips before it claims, no stage claimed again
+// (TestFlipRefusedAlone). It flips the due rows (those in ids, or when ids is nil the due
+// rows not in skip) one statement each until deadline, and returns how many it flipped and
+// the rows whose own flip the database refused. It returns an error only when the
+// connection or ctx is gone.
+func flipRows(ctx context.Context, conn *sql.Conn, ids, skip []int64, deadline time.Time) (
+	flipped int64, refused map[int64]error, err error) {
+	if ids == nil {
+		rows, err := conn.QueryContext(ctx, dueSQL, pq.Array(append([]int64{}, skip...)))
+		if err != nil {
+			return 0, nil, fmt.Errorf("list due paused rows: %w", err)
+		}
+		for rows.Next() {
+			var id int64
+			if err := rows.Scan(&id); err != nil {
+				rows.Close()
+				return 0, nil, fmt.Errorf("list due paused rows: %w", err)
+			}
+			ids = append(ids, id)
+		}
+		if err := rows.Close(); err != nil {
+			return 0, nil, fmt.Errorf("list due paused rows: %w", err)
+		}
+	}
+	refused = map[int64]error{}
+	for _, id := range ids {
+		if time.Now().After(deadline) {
+			break // still due: the next flip, a second later (scheduleRetry)
+		}
+		var n int64
+		var next sql.NullTime
+		err := conn.QueryRowContext(ctx, retrySQL, pq.Array([]int64{}), id).Scan(&n, &next)
+		switch {
+		case err != nil && (isOutage(err) || ctx.Err() != nil):
+			return flipped, refused, fmt.Errorf("return paused row %d to pending: %w", id, err)
+		case err != nil:
+			refused[id] = err
+		default:
+			flipped += n
+		}
+	}
+	return flipped, refused, nil
+}
+
+// flip returns due paused rows to pending (retrySQL): all of them in one statement, but the
+// rows whose own flip the database refused before, which are tried alone after it. When the
+// database refuses the statement on a connection that still answers, the due rows are
+// flipped one statement each (flipRows, at most refusedSplitBudget of the loop), and a row
+// refused alone joins flipRefused, said once, while everything else goes on; it stays paused
+// and due, so the claims report it and the flip comes back a second later (scheduleRetry).
+// It returns an error only when the connection or the daemon's context is gone, or for a
+// refusal on a connection that does not answer.
+func (c *coordinator) flip() (n int64, next time.Time, err error) {
+	ctx, cancel := c.budget()
+	defer cancel()
+	now := time.Now()
+	c.lastFlip = now
+	skip := slices.Sorted(maps.Keys(c.flipRefused))
+	n, next, err = flipDue(ctx, c.inst.conn, skip)
+	var refused map[int64]error
+	switch {
+	case err != nil && (isOutage(err) || c.ctx.Err() != nil || c.pingLock() != nil):
+		return 0, time.Time{}, err
+	case err != nil:
+		n, refused, err = flipRows(ctx, c.inst.conn, nil, skip, now.Add(refusedSplitBudget))
+		next = now // the rows not tried, and the next due time: a second after this flip
+	case len(skip) > 0:
+		var m int64
+		m, refused, err = flipRows(ctx, c.inst.conn, skip, nil, now.Add(refusedSplitBudget))
+		n += m
+		for _, id := range skip {
+			if _, again := refused[id]; !again {
+				delete(c.flipRefused, id) // flipped, or no longer a due paused row
+			}
+		}
+	}
+	for id, rerr := range refused {
+		if c.flipRefused[id] {
+			continue
+		}
+		if c.flipRefused == nil {
+			c.flipRefused = map[int64]bool{}
+		}
+		c.flipRefused[id] = true
+		if unlogged, ok := c.refusedLog.admit(time.Now(), false); ok {
+			args := []any{"id", id, "err", rerr}
+			if unlogged > 0 {
+				args = append(args, "refusals_not_logged", unlogged)
+			}
+			c.log.Warn("the database refused this paused message's return to pending alone; tried again every second, claims go on", args...)
+		}
+	}
+	return n, next, err
 }
