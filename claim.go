@@ -608,11 +608,26 @@ func (c *coordinator) claim() {
 	ctx, cancel := c.budget()
 	if c.keys.unpark && !now.Before(c.keys.unparkAt) {
 		n, left, err := c.claimer.unpark(ctx, c.inst.conn, c.keys.limit)
-		if err != nil {
+		switch {
+		case err != nil && (isOutage(err) || c.ctx.Err() != nil || c.pingLock() != nil):
 			cancel()
 			c.claimWanted = true
 			c.dbTrouble("unpark", err)
 			return
+		case err != nil:
+			// Refused by the database itself (an application's trigger that refuses to
+			// update one of the rows): they stay parked and are tried again a second later,
+			// while the claim goes on. Returning here, as for a lost connection, stopped
+			// every claim (TestUnparkRefused).
+			n, left = 0, true
+			if !c.keys.refused {
+				c.keys.refused = true
+				c.log.Warn("the database refused to put parked rows back to pending; they wait, tried again every second, claims go on",
+					"err", err)
+			}
+		case c.keys.refused:
+			c.keys.refused = false
+			c.log.Info("the database takes the unpark of parked rows again")
 		}
 		if n > 0 {
 			c.log.Info("rows parked under a KEY_LIMIT since removed go back to pending", "rows", n)

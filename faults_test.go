@@ -540,6 +540,45 @@ func TestFlipRefusedAlone(t *testing.T) {
 	d.stop()
 }
 
+// TestUnparkRefused: rows parked behind a KEY_LIMIT that the configuration no longer has are
+// put back to pending by the claim's unpark first; an application's trigger refuses that for
+// one of them (its payload says "poison"). The parked rows wait, tried again every second and
+// said once, while stage b's messages are claimed and done; once the trigger is gone the
+// parked rows run, once each. Before, the refused unpark returned from the claim at every
+// retry, and no stage claimed again.
+func TestUnparkRefused(t *testing.T) {
+	const said = "the database refused to put parked rows back to pending"
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	s.exec(t, `CREATE SEQUENCE app_refusals`)
+	s.exec(t, `CREATE FUNCTION app_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+	    BEGIN
+	        PERFORM nextval('app_refusals');
+	        RAISE EXCEPTION 'the application refuses to unpark message %', NEW.workqueue_id;
+	    END $$`)
+	s.exec(t, `CREATE TRIGGER app_refuse BEFORE UPDATE OF key_parked ON workqueue FOR EACH ROW
+	    WHEN (OLD.key_parked AND NOT NEW.key_parked AND OLD.payload ? 'poison') EXECUTE FUNCTION app_refuse()`)
+	s.exec(t, `INSERT INTO workqueue (stage, payload, concurrency_key, key_parked)
+	    VALUES ('a', '{"poison": true}', 'k', true), ('a', '{}', 'k', true), ('a', '{}', 'k', true)`)
+	poison := int64(s.count(t, `SELECT min(workqueue_id) FROM workqueue`))
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1")+stageConf(t, "b", "", "PARALLELISM = 1"), "pipeline")
+	d.waitLog("dispatching", 30*time.Second)
+	enqueue(t, s, "b", 3, `{}`)
+	waitFor(t, 30*time.Second, "the 3 messages at stage b done", func() bool { return countStatus(t, s, "done") == 3 })
+	waitFor(t, 10*time.Second, "the unpark refused three times", func() bool {
+		return s.count(t, `SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM app_refusals`) >= 3
+	})
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE stage = 'a' AND status = 'pending' AND key_parked`); n != 3 {
+		t.Errorf("%d of stage a's 3 parked rows still parked while the unpark is refused, want 3", n)
+	}
+	heldRowRunsOnce(t, s, poison, func() { s.exec(t, `DROP TRIGGER app_refuse ON workqueue`) }, 6)
+	d.waitLog("the database takes the unpark of parked rows again", 5*time.Second)
+	if n := strings.Count(d.log.String(), said); n != 1 {
+		t.Errorf("the refusal was logged %d times, want once:\n%s", n, d.log.String())
+	}
+	d.stop()
+}
+
 func TestCrashFailsHeadRequeuesRest(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)

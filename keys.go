@@ -29,6 +29,7 @@ type keyLoad struct {
 	// (one another transaction holds: then not again before unparkAt).
 	unpark   bool
 	unparkAt time.Time
+	refused  bool // the database refused the last unpark by itself: said, its end still to be said
 }
 
 // limitsOf takes the limits of a new stage table (at start and with every reload).
