@@ -200,3 +200,12 @@ func withRetry(ctx context.Context, budget time.Duration, what string, op func(c
 		}
 	}
 }
+
+// idList is ids as a bigint[] parameter for "id <> ALL ($n)": an empty array when ids is
+// nil, which pq.Array would send as NULL, and "<> ALL (NULL)" keeps no row at all.
+func idList(ids []int64) any {
+	if ids == nil {
+		ids = []int64{}
+	}
+	return pq.Array(ids)
+}

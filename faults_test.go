@@ -378,15 +378,15 @@ func TestFailureWriteRefusedAlone(t *testing.T) {
 // appRefuses gives the test schema an application whose trigger refuses an update of
 // workqueue's status when its WHEN clause (when) holds, and counts its refusals in a sequence
 // (nextval outlives the refused statement). It returns the count and the trigger's drop.
-func appRefuses(t *testing.T, s *testSchema, when string) (refusals func() int, drop func()) {
+func appRefuses(t *testing.T, s *testSchema, column, when string) (refusals func() int, drop func()) {
 	t.Helper()
 	s.exec(t, `CREATE SEQUENCE app_refusals`)
 	s.exec(t, `CREATE FUNCTION app_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
 	    BEGIN
 	        PERFORM nextval('app_refusals');
-	        RAISE EXCEPTION 'the application refuses to set message % %', NEW.workqueue_id, NEW.status;
+	        RAISE EXCEPTION 'the application refuses to update message %', NEW.workqueue_id;
 	    END $$`)
-	s.exec(t, `CREATE TRIGGER app_refuse BEFORE UPDATE OF status ON workqueue FOR EACH ROW
+	s.exec(t, `CREATE TRIGGER app_refuse BEFORE UPDATE OF `+column+` ON workqueue FOR EACH ROW
 	    WHEN (`+when+`) EXECUTE FUNCTION app_refuse()`)
 	refusals = func() int {
 		return s.count(t, `SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM app_refusals`)
@@ -397,7 +397,7 @@ func appRefuses(t *testing.T, s *testSchema, when string) (refusals func() int, 
 // refuseResets: an application that refuses to put a running message back to pending when
 // its payload says "poison".
 func refuseResets(t *testing.T, s *testSchema) (refusals func() int, drop func()) {
-	return appRefuses(t, s, `OLD.status = 'running' AND NEW.status = 'pending' AND OLD.payload ? 'poison'`)
+	return appRefuses(t, s, "status", `OLD.status = 'running' AND NEW.status = 'pending' AND OLD.payload ? 'poison'`)
 }
 
 // TestResetRefusedAlone: an application's trigger refuses to put one message back to pending
@@ -488,7 +488,7 @@ func TestClaimRefusedStageAlone(t *testing.T) {
 	const said = "the database refused this stage's claim alone"
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
-	refusals, drop := appRefuses(t, s, `NEW.status = 'running' AND OLD.payload ? 'poison'`)
+	refusals, drop := appRefuses(t, s, "status", `NEW.status = 'running' AND OLD.payload ? 'poison'`)
 	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4")+
 		stageConf(t, "b", "", "PARALLELISM = 1"), "pipeline")
 	d.waitLog("dispatching", 30*time.Second)
@@ -518,7 +518,7 @@ func TestFlipRefusedAlone(t *testing.T) {
 	const said = "the database refused this paused message's return to pending alone"
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
-	refusals, drop := appRefuses(t, s, `OLD.status = 'paused' AND NEW.status = 'pending' AND OLD.payload ? 'poison'`)
+	refusals, drop := appRefuses(t, s, "status", `OLD.status = 'paused' AND NEW.status = 'pending' AND OLD.payload ? 'poison'`)
 	poison := int64(s.count(t, `INSERT INTO workqueue (stage, payload, status, retry_at, attempts)
 	    VALUES ('a', '{"poison": true}', 'paused', now() - interval '1 second', 1) RETURNING workqueue_id`))
 	s.exec(t, `INSERT INTO workqueue (stage, payload, status, retry_at, attempts)
@@ -550,14 +550,7 @@ func TestUnparkRefused(t *testing.T) {
 	const said = "the database refused to put parked rows back to pending"
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
-	s.exec(t, `CREATE SEQUENCE app_refusals`)
-	s.exec(t, `CREATE FUNCTION app_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
-	    BEGIN
-	        PERFORM nextval('app_refusals');
-	        RAISE EXCEPTION 'the application refuses to unpark message %', NEW.workqueue_id;
-	    END $$`)
-	s.exec(t, `CREATE TRIGGER app_refuse BEFORE UPDATE OF key_parked ON workqueue FOR EACH ROW
-	    WHEN (OLD.key_parked AND NOT NEW.key_parked AND OLD.payload ? 'poison') EXECUTE FUNCTION app_refuse()`)
+	refusals, drop := appRefuses(t, s, "key_parked", `OLD.key_parked AND NOT NEW.key_parked AND OLD.payload ? 'poison'`)
 	s.exec(t, `INSERT INTO workqueue (stage, payload, concurrency_key, key_parked)
 	    VALUES ('a', '{"poison": true}', 'k', true), ('a', '{}', 'k', true), ('a', '{}', 'k', true)`)
 	poison := int64(s.count(t, `SELECT min(workqueue_id) FROM workqueue`))
@@ -565,13 +558,11 @@ func TestUnparkRefused(t *testing.T) {
 	d.waitLog("dispatching", 30*time.Second)
 	enqueue(t, s, "b", 3, `{}`)
 	waitFor(t, 30*time.Second, "the 3 messages at stage b done", func() bool { return countStatus(t, s, "done") == 3 })
-	waitFor(t, 10*time.Second, "the unpark refused three times", func() bool {
-		return s.count(t, `SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM app_refusals`) >= 3
-	})
+	waitFor(t, 10*time.Second, "the unpark refused three times", func() bool { return refusals() >= 3 })
 	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE stage = 'a' AND status = 'pending' AND key_parked`); n != 3 {
 		t.Errorf("%d of stage a's 3 parked rows still parked while the unpark is refused, want 3", n)
 	}
-	heldRowRunsOnce(t, s, poison, func() { s.exec(t, `DROP TRIGGER app_refuse ON workqueue`) }, 6)
+	heldRowRunsOnce(t, s, poison, drop, 6)
 	d.waitLog("the database takes the unpark of parked rows again", 5*time.Second)
 	if n := strings.Count(d.log.String(), said); n != 1 {
 		t.Errorf("the refusal was logged %d times, want once:\n%s", n, d.log.String())

@@ -395,15 +395,21 @@ func (c *coordinator) noteRefused(m *message, what string, err error) {
 		return
 	}
 	m.writeRefused = true
+	c.sayRefused("the database refused this message's "+what+" alone; tried again every second, claims go on",
+		"stage", m.stage, "id", m.id, "err", err)
+}
+
+// sayRefused logs msg for a write the database refused for one row alone, at most
+// failureLinesPerMinute such lines a minute (failures, resets, flips share the limit).
+func (c *coordinator) sayRefused(msg string, args ...any) {
 	unlogged, ok := c.refusedLog.admit(time.Now(), false)
 	if !ok {
 		return
 	}
-	args := []any{"stage", m.stage, "id", m.id, "err", err}
 	if unlogged > 0 {
 		args = append(args, "refusals_not_logged", unlogged)
 	}
-	c.log.Warn("the database refused this message's "+what+" alone; tried again every second, claims go on", args...)
+	c.log.Warn(msg, args...)
 }
 
 // keepRefusedResets marks the resets of ms that the database refused by themselves (refused,

@@ -186,12 +186,10 @@ type refusedRow struct {
 func retentionTurn(ctx context.Context, db *sql.DB, w retentionWalk, cursor int64) (res retentionDone) {
 	window := w.window
 	for i := 0; i < w.batches; i++ {
-		// Those after the cursor; never nil, which pq.Array sends as NULL (and "<> ALL (NULL)"
-		// keeps no row).
-		skip := append([]int64{}, w.skip[sort.Search(len(w.skip), func(i int) bool { return w.skip[i] > cursor }):]...)
+		skip := w.skip[sort.Search(len(w.skip), func(i int) bool { return w.skip[i] > cursor }):] // those after the cursor
 		var n, lastGone, looked, lastLooked int64
 		var young bool
-		err := db.QueryRowContext(ctx, retentionSQL, w.age.Seconds(), cursor, w.batch, window, pq.Array(skip)).
+		err := db.QueryRowContext(ctx, retentionSQL, w.age.Seconds(), cursor, w.batch, window, idList(skip)).
 			Scan(&n, &lastGone, &looked, &lastLooked, &young)
 		deleted, allRefused := n, false
 		if refusesRows(err) && ctx.Err() == nil {
@@ -258,7 +256,7 @@ type rowsAlone struct {
 func deleteRowsAlone(ctx context.Context, db *sql.DB, w retentionWalk, cursor int64, window int, skip []int64) (rowsAlone, error) {
 	var r rowsAlone
 	var picked []int64
-	if err := db.QueryRowContext(ctx, retentionPickSQL, w.age.Seconds(), cursor, w.batch, window, pq.Array(skip)).
+	if err := db.QueryRowContext(ctx, retentionPickSQL, w.age.Seconds(), cursor, w.batch, window, idList(skip)).
 		Scan((*pq.Int64Array)(&picked), &r.looked, &r.lastLooked, &r.young); err != nil {
 		return r, fmt.Errorf("pick the rows of a refused batch: %w", err)
 	}

@@ -268,7 +268,7 @@ func resetRows(ctx context.Context, conn *sql.Conn, ms []*message, deadline time
 func flipDue(ctx context.Context, conn *sql.Conn, skip []int64) (int64, time.Time, error) {
 	var n int64
 	var next sql.NullTime
-	if err := conn.QueryRowContext(ctx, retrySQL, pq.Array(append([]int64{}, skip...)), nil).Scan(&n, &next); err != nil {
+	if err := conn.QueryRowContext(ctx, retrySQL, idList(skip), nil).Scan(&n, &next); err != nil {
 		return 0, time.Time{}, fmt.Errorf("return due paused rows to pending: %w", err)
 	}
 	return n, next.Time, nil
@@ -289,7 +289,7 @@ const dueSQL = `SELECT workqueue_id FROM workqueue WHERE status = 'paused' AND r
 func flipRows(ctx context.Context, conn *sql.Conn, ids, skip []int64, deadline time.Time) (
 	flipped int64, refused map[int64]error, err error) {
 	if ids == nil {
-		rows, err := conn.QueryContext(ctx, dueSQL, pq.Array(append([]int64{}, skip...)))
+		rows, err := conn.QueryContext(ctx, dueSQL, idList(skip))
 		if err != nil {
 			return 0, nil, fmt.Errorf("list due paused rows: %w", err)
 		}
@@ -312,7 +312,7 @@ func flipRows(ctx context.Context, conn *sql.Conn, ids, skip []int64, deadline t
 		}
 		var n int64
 		var next sql.NullTime
-		err := conn.QueryRowContext(ctx, retrySQL, pq.Array([]int64{}), id).Scan(&n, &next)
+		err := conn.QueryRowContext(ctx, retrySQL, idList(nil), id).Scan(&n, &next)
 		switch {
 		case err != nil && (isOutage(err) || ctx.Err() != nil):
 			return flipped, refused, fmt.Errorf("return paused row %d to pending: %w", id, err)
@@ -365,13 +365,8 @@ func (c *coordinator) flip() (n int64, next time.Time, err error) {
 			c.flipRefused = map[int64]bool{}
 		}
 		c.flipRefused[id] = true
-		if unlogged, ok := c.refusedLog.admit(time.Now(), false); ok {
-			args := []any{"id", id, "err", rerr}
-			if unlogged > 0 {
-				args = append(args, "refusals_not_logged", unlogged)
-			}
-			c.log.Warn("the database refused this paused message's return to pending alone; tried again every second, claims go on", args...)
-		}
+		c.sayRefused("the database refused this paused message's return to pending alone; tried again every second, claims go on",
+			"id", id, "err", rerr)
 	}
 	return n, next, err
 }
