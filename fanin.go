@@ -21,6 +21,7 @@ import (
 	"database/sql"
 	"fmt"
 	"os"
+	"slices"
 	"time"
 
 	"github.com/lib/pq"
@@ -104,6 +105,10 @@ type fanin struct {
 	sweepAfter  int64          // the sweep's keyset cursor; 0 = start of a pass
 	stats       *faninCounters // in c.stats
 
+	// refused: the groups whose completion the database refused to apply by itself, each with
+	// the time to try it again (onRefusedGroups); their events wait in the inbox.
+	refused map[int64]time.Time
+
 	// fail is fault injection for the crash tests, called at each named point: nil in
 	// production, which makes every point a no-op. It never decides what runs: the flush and
 	// the sweep run the same statements in the same transactions with it set or not, so a
@@ -115,7 +120,7 @@ type fanin struct {
 func newFanin(cfg DispatchConfig, stats *faninCounters) *fanin {
 	return &fanin{
 		batch: cfg.FaninBatch, maxDelay: cfg.FaninMaxDelay, minHints: cfg.FaninMinHints,
-		hinted: map[int64]int{}, remaining: map[int64]int{}, stats: stats,
+		hinted: map[int64]int{}, remaining: map[int64]int{}, refused: map[int64]time.Time{}, stats: stats,
 		fail: exitAtFailpoint(os.Getenv("PEPSI_FAILPOINT")),
 	}
 }
@@ -203,6 +208,9 @@ type flushResult struct {
 	held                                          int // groups passed over: another transaction holds a row
 	openIDs                                       []int64
 	openRemaining                                 []int64
+	refusedIDs                                    []int64 // groups the database refused by themselves
+	refusedEvents                                 int     // their events, left in the inbox
+	refusedReason                                 sql.NullString
 }
 
 // faninFlushed is the event a flush in the background sends back to the coordinator: the
@@ -219,8 +227,9 @@ type faninFlushed struct {
 // transaction. BEGIN and COMMIT cost two round trips more than an autocommit statement, a few
 // tens of microseconds on the flush goroutine per flush (tens of flushes per 20,000
 // children), never on the coordinator's.
-const flushSQL = `SELECT events, groups_fired, parents_woken, late_events, quarantined, held, open_ids, open_remaining
-                    FROM fanin_flush($1, $2)`
+const flushSQL = `SELECT events, groups_fired, parents_woken, late_events, quarantined, held, open_ids, open_remaining,
+                         refused_ids, refused_events, refused_reason
+                    FROM fanin_flush($1, $2, $3)`
 
 // startFlush runs a flush in the background, on a connection of the pool, and returns at
 // once: the coordinator goes on claiming and reading replies while PostgreSQL applies the
@@ -236,26 +245,43 @@ func (c *coordinator) startFlush() {
 	f.inbox = false
 	clear(f.hinted)
 	lockFirst := f.heldGroups > 0
-	c.inBackground(func() event { return f.runFlush(c.ctx, c.db, lockFirst) })
+	pass := f.passRefused(f.lastFlush)
+	c.inBackground(func() event { return f.runFlush(c.ctx, c.db, lockFirst, pass) })
 }
 
-// runFlush applies the inbox until it is empty (or a batch comes back short). It reads only
+// passRefused returns the groups the database refused to apply less than heldRetryGap before
+// now, for the flush to leave in the inbox: each is tried again once a second, not at every
+// flush (a try re-applies its batch one group at a time, fanin_flush says why).
+func (f *fanin) passRefused(now time.Time) []int64 {
+	var pass []int64
+	for g, at := range f.refused {
+		if now.Before(at) {
+			pass = append(pass, g)
+		}
+	}
+	return pass
+}
+
+// runFlush applies the inbox until it is empty (or a batch comes back short), leaving the
+// events of the groups in pass where they are, and those of each group a statement of it
+// refused for the statements after. It reads only
 // the settings fixed when f was made (batch, the fail hook), so it may run on the flush goroutine
 // while the coordinator changes the rest of f. lockFirst (the last flush passed groups over)
 // has the first statement lock its rows before applying them, and so each statement after
 // one that passed groups over: a group held for long would otherwise cost every flush the
 // 100 ms fanin_flush waits for a row before passing it over.
-func (f *fanin) runFlush(ctx context.Context, db *sql.DB, lockFirst bool) faninFlushed {
+func (f *fanin) runFlush(ctx context.Context, db *sql.DB, lockFirst bool, pass []int64) faninFlushed {
 	start := time.Now()
 	var ev faninFlushed
 	for {
 		var r flushResult
-		if ev.err = f.flushOnce(ctx, db, lockFirst, &r); ev.err != nil {
+		if ev.err = f.flushOnce(ctx, db, lockFirst, pass, &r); ev.err != nil {
 			break
 		}
 		ev.results = append(ev.results, r)
 		lockFirst = r.held > 0
-		if r.events < f.batch {
+		pass = append(pass, r.refusedIDs...)
+		if r.events+r.refusedEvents < f.batch {
 			break
 		}
 	}
@@ -287,6 +313,7 @@ func (c *coordinator) onFlushed(ev faninFlushed) {
 		}
 	}
 	f.stats.FlushMs += ev.took.Milliseconds()
+	c.onRefusedGroups(ev)
 	// Forget groups not hinted for a long time: remaining is only a shortcut for the wake
 	// rule, and a group we know nothing about is flushed at its next hint anyway.
 	if len(f.remaining) > 100000 {
@@ -314,6 +341,51 @@ func (c *coordinator) onFlushed(ev faninFlushed) {
 	}
 }
 
+// onRefusedGroups takes the groups whose events a flush's statements refused by themselves
+// (fanin_flush's refused_ids: an application's rule that will not let a waiting parent wake)
+// into f.refused: each is left in the inbox by the flushes of the next heldRetryGap and then
+// tried again, said once until a flush that tries it no longer refuses it. The inbox flag
+// stays set while any is left, so a flush comes due for them without a hint.
+func (c *coordinator) onRefusedGroups(ev faninFlushed) {
+	f := c.fanin
+	if len(f.refused) == 0 && !slices.ContainsFunc(ev.results, func(r flushResult) bool { return len(r.refusedIDs) > 0 }) {
+		return // the usual flush: nothing refused, now or before
+	}
+	now := time.Now()
+	refused := map[int64]bool{}
+	var fresh []int64
+	reason := ""
+	for _, r := range ev.results {
+		for _, g := range r.refusedIDs {
+			if _, known := f.refused[g]; !known && !refused[g] {
+				fresh = append(fresh, g)
+			}
+			refused[g] = true
+			f.refused[g] = now.Add(heldRetryGap)
+		}
+		if reason == "" && r.refusedReason.Valid {
+			reason = r.refusedReason.String
+		}
+	}
+	if ev.err == nil {
+		// Every group this flush tried (not passed: due at its start) and did not refuse is
+		// applied, or has no events left.
+		for g, at := range f.refused {
+			if !f.lastFlush.Before(at) && !refused[g] {
+				delete(f.refused, g)
+			}
+		}
+	}
+	if len(f.refused) > 0 {
+		f.inbox = true
+	}
+	if len(fresh) > 0 {
+		slices.Sort(fresh)
+		c.sayRefused("fan-in: the database refused to apply these groups' completions by themselves (an application's rule on a waiting parent); their events wait, tried again every second, the other groups go on",
+			"groups", fresh, "err", reason)
+	}
+}
+
 // onHeldGroups takes the number of groups the last flush passed over because another
 // transaction holds a row it would write (fanin_flush's held). Their events stay first in the
 // inbox; the inbox flag makes the next flush due FANIN_MAX_DELAY after this one's start, so a
@@ -338,7 +410,7 @@ func (c *coordinator) onHeldGroups(held int) {
 
 // flushOnce runs one fanin_flush statement on a connection of db (see runFlush: fixed
 // settings and the fail hook only).
-func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, lockFirst bool, r *flushResult) error {
+func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, lockFirst bool, pass []int64, r *flushResult) error {
 	ctx, cancel := context.WithTimeout(ctx, dbStatementBudget)
 	defer cancel()
 	tx, err := db.BeginTx(ctx, nil)
@@ -346,8 +418,9 @@ func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, lockFirst bool, r *fl
 		return fmt.Errorf("fan-in flush: begin: %w", err)
 	}
 	defer tx.Rollback() // a no-op after Commit; the error of a rollback after a failure adds nothing
-	if err := tx.QueryRowContext(ctx, flushSQL, f.batch, lockFirst).Scan(&r.events, &r.groupsFired, &r.woken,
-		&r.late, &r.quarantined, &r.held, pq.Array(&r.openIDs), pq.Array(&r.openRemaining)); err != nil {
+	if err := tx.QueryRowContext(ctx, flushSQL, f.batch, lockFirst, idList(pass)).Scan(&r.events, &r.groupsFired,
+		&r.woken, &r.late, &r.quarantined, &r.held, pq.Array(&r.openIDs), pq.Array(&r.openRemaining),
+		pq.Array(&r.refusedIDs), &r.refusedEvents, &r.refusedReason); err != nil {
 		return fmt.Errorf("fan-in flush: %w", err)
 	}
 	if r.events > 0 {
@@ -384,8 +457,8 @@ func (c *coordinator) faninStartup() {
 
 // faninReadied is the event the start's fire_ready sends back to the coordinator.
 type faninReadied struct {
-	fired, woken, held int
-	err                error
+	fired, woken, held, refused int
+	err                         error
 }
 
 // startFireReady runs fanin_fire_ready in the background, on a connection of the pool, within
@@ -401,8 +474,8 @@ func (c *coordinator) startFireReady() {
 		ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
 		defer cancel()
 		var ev faninReadied
-		if err := c.db.QueryRowContext(ctx, `SELECT groups_fired, parents_woken, held FROM fanin_fire_ready()`).
-			Scan(&ev.fired, &ev.woken, &ev.held); err != nil {
+		if err := c.db.QueryRowContext(ctx, `SELECT groups_fired, parents_woken, held, refused FROM fanin_fire_ready()`).
+			Scan(&ev.fired, &ev.woken, &ev.held, &ev.refused); err != nil {
 			ev.err = fmt.Errorf("fan-in: fire ready groups: %w", err)
 		}
 		return ev
@@ -430,11 +503,17 @@ func (c *coordinator) onReadied(ev faninReadied) {
 	if ev.woken > 0 {
 		c.claimWanted = true // the woken parents are pending at their continuation stage
 	}
-	if ev.held > 0 {
+	if ev.held > 0 || ev.refused > 0 {
 		f.ready, f.readyAt = readyDue, time.Now().Add(heldRetryGap)
 		if f.readyFails++; f.readyFails == 1 || isPowerOfTen(f.readyFails) {
-			c.log.Warn("fan-in: complete groups passed over at start-up, another transaction holds a row they write (a waiting parent, a fanout row); tried again",
-				"groups", ev.held, "tries", f.readyFails, "retry_in", heldRetryGap)
+			if ev.held > 0 {
+				c.log.Warn("fan-in: complete groups passed over at start-up, another transaction holds a row they write (a waiting parent, a fanout row); tried again",
+					"groups", ev.held, "tries", f.readyFails, "retry_in", heldRetryGap)
+			}
+			if ev.refused > 0 {
+				c.log.Warn("fan-in: the database refused to wake the parents of complete groups at start-up by themselves (an application's rule on a waiting parent); the others are woken, these tried again",
+					"groups", ev.refused, "tries", f.readyFails, "retry_in", heldRetryGap)
+			}
 		}
 		return
 	}
@@ -444,6 +523,7 @@ func (c *coordinator) onReadied(ev faninReadied) {
 // sweepResult is one fanin_sweep call's result.
 type sweepResult struct {
 	repaired, examined, orphans, fired, woken int
+	refused                                   int // wakes the database refused by themselves, left for the next pass
 	broken                                    []int64
 	next                                      int64 // the keyset cursor for the next page; 0 ends the pass
 }
@@ -462,10 +542,11 @@ func (f *fanin) sweepOnce(ctx context.Context, db *sql.DB, after int64, page int
 	}
 	defer tx.Rollback() // a no-op after Commit; the error of a rollback after a failure adds nothing
 	if err := tx.QueryRowContext(ctx, `
-			SELECT repaired, examined, orphans_woken, groups_fired, parents_woken, broken, next_after
+			SELECT repaired, examined, orphans_woken, groups_fired, parents_woken, broken, next_after, refused
 			  FROM fanin_sweep($1, $2, make_interval(secs => $3))`,
 		after, page, minAge.Seconds()).
-		Scan(&r.repaired, &r.examined, &r.orphans, &r.fired, &r.woken, pq.Array(&r.broken), &r.next); err != nil {
+		Scan(&r.repaired, &r.examined, &r.orphans, &r.fired, &r.woken, pq.Array(&r.broken), &r.next,
+			&r.refused); err != nil {
 		return r, fmt.Errorf("fan-in sweep: %w", err)
 	}
 	if r.repaired > 0 {
@@ -515,6 +596,10 @@ func (c *coordinator) onSwept(ev faninSwept) {
 		if r.repaired > 0 || r.orphans > 0 || len(r.broken) > 0 {
 			c.log.Warn("fan-in sweep repaired drift (completion evidence was lost or inconsistent)",
 				"repaired", r.repaired, "orphans_woken", r.orphans, "broken", r.broken, "examined", r.examined)
+		}
+		if r.refused > 0 {
+			c.log.Warn("fan-in sweep: the database refused to wake these parents by themselves (an application's rule on a waiting parent); left waiting for the next pass, the rest of the page done",
+				"parents", r.refused)
 		}
 		if r.woken > 0 || r.orphans > 0 {
 			c.claimWanted = true // both are pending at their continuation now

@@ -688,6 +688,16 @@ BEGIN
     RETURN held;
 END $$;
 
+-- fanin_own_table (internal): whether the table an error names (its schema and name, as GET
+-- STACKED DIAGNOSTICS gives them) is this schema's fanout or fanin_wake_log, whose CHECK and
+-- primary key are the flush's tripwires. A CHECK of workqueue, an application's, is not one.
+CREATE OR REPLACE FUNCTION fanin_own_table(p_schema text, p_table text) RETURNS boolean
+LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
+    SELECT EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                    WHERE c.oid IN ('fanout'::regclass, 'fanin_wake_log'::regclass)
+                      AND n.nspname = p_schema AND c.relname = p_table);
+$$;
+
 -- fanin_flush consumes up to p_batch inbox rows, oldest first, in one statement (the
 -- coordinator calls it in its own short transaction, autocommit is fine). Returns:
 --   events          inbox rows consumed (applied, late, or dropped by a quarantine);
@@ -705,6 +715,12 @@ END $$;
 --   held            groups passed over because another transaction holds a row their
 --                   events would write (fanin_pass_held): their events stay in the inbox,
 --                   first in line for the next flush; held > 0 means flush again soon
+--   refused_ids     groups whose events the database refused to apply by itself (see below):
+--                   their events stay in the inbox; refused_events how many, refused_reason
+--                   the first refusal's message
+-- p_pass: groups whose events this flush leaves in the inbox, unread (the dispatcher passes the
+-- groups refused less than a second ago, and each statement of a flush those the ones before
+-- it refused).
 -- Held rows: a flush that waited for a held row held every other group's evidence behind it,
 -- so one transaction left open on one waiting parent stopped all wakes
 -- (TestFaninFlushPassesHeldGroups). So the batch is applied with lock_timeout (the function's
@@ -724,15 +740,26 @@ END $$;
 -- has its events of this batch deleted unapplied and a fanin_quarantine row, and the next
 -- fanin_sweep recounts it from the children rows. One corrupt group never stops the others
 -- (and a group held meanwhile is passed over there too).
--- The result gained held, and then the function p_lock_first: the earlier versions are dropped
--- first (a dispatcher of one names the columns it reads and passes the batch alone, so it goes
--- on working over this one).
+-- Refusals: the database may refuse a group's writes by itself, for that group alone: an
+-- application's trigger or CHECK constraint on workqueue that will not let one waiting parent
+-- go back to pending (an integrity error, SQLSTATE class 23, or a raised exception, class
+-- P0, from anything but the two tripwires above). The batch failed whole then, and with it
+-- every flush after it, so one parent an application would not let wake stopped every wake
+-- (TestFaninFlushRefusedGroup). Such a batch is re-applied one group at a time as a tripped
+-- one is; a refused group keeps its events in the inbox, unapplied, and is returned in
+-- refused_ids for the dispatcher to pass over (p_pass) and try again a second later.
+-- The result gained held, then the function p_lock_first, then refused_ids and p_pass: the
+-- earlier versions are dropped first (a dispatcher of one names the columns it reads and
+-- passes the batch alone, or the batch and p_lock_first, so it goes on working over this one).
 DROP FUNCTION IF EXISTS fanin_flush(int);
 DROP FUNCTION IF EXISTS fanin_flush(int, boolean);
+DROP FUNCTION IF EXISTS fanin_flush(int, boolean, bigint[]);
 CREATE FUNCTION fanin_flush(p_batch int DEFAULT 10000, p_lock_first boolean DEFAULT false,
+    p_pass bigint[] DEFAULT '{}',
     OUT events int, OUT groups_updated int, OUT groups_fired int, OUT parents_woken int,
     OUT late_events int, OUT quarantined int, OUT woken bigint[], OUT open_ids bigint[],
-    OUT open_remaining int[], OUT quarantined_ids bigint[], OUT held int)
+    OUT open_remaining int[], OUT quarantined_ids bigint[], OUT held int,
+    OUT refused_ids bigint[], OUT refused_events int, OUT refused_reason text)
 LANGUAGE plpgsql SET search_path FROM CURRENT SET lock_timeout = '100ms' AS $$
 DECLARE
     batch      bigint[];
@@ -743,13 +770,23 @@ DECLARE
     r          record;
     g          record;
     msg        text;
+    code       text;
+    sch        text;
+    tbl        text;
 BEGIN
     quarantined := 0;
     quarantined_ids := '{}';
     held := 0;
+    refused_ids := '{}'; refused_events := 0;
     events := 0; groups_updated := 0; groups_fired := 0; parents_woken := 0;
     late_events := 0; woken := '{}'; open_ids := '{}'; open_remaining := '{}';
-    batch := ARRAY(SELECT id FROM fanin_event ORDER BY id LIMIT p_batch);
+    p_pass := coalesce(p_pass, '{}');
+    IF cardinality(p_pass) = 0 THEN
+        batch := ARRAY(SELECT id FROM fanin_event ORDER BY id LIMIT p_batch);
+    ELSE
+        batch := ARRAY(SELECT id FROM fanin_event WHERE NOT fanout_id = ANY (p_pass)
+                        ORDER BY id LIMIT p_batch);
+    END IF;
     IF cardinality(batch) = 0 THEN
         RETURN;
     END IF;
@@ -759,13 +796,14 @@ BEGIN
         EXCEPTION
             -- Rolled back to the start of the block: the batch is in the inbox again.
             WHEN lock_not_available THEN lock_first := true;
-            WHEN check_violation OR unique_violation THEN tripped := true;
+            -- A tripwire, or a refusal: both are one group's, found one group at a time.
+            WHEN integrity_constraint_violation OR plpgsql_error THEN tripped := true;
         END;
     END IF;
     IF lock_first THEN
         passed := fanin_pass_held(batch);
         IF cardinality(passed) > 0 THEN
-            batch := ARRAY(SELECT id FROM fanin_event WHERE NOT fanout_id = ANY (passed)
+            batch := ARRAY(SELECT id FROM fanin_event WHERE NOT fanout_id = ANY (passed || p_pass)
                             ORDER BY id LIMIT p_batch);
             more := fanin_pass_held(batch);
             IF cardinality(more) > 0 THEN
@@ -780,7 +818,7 @@ BEGIN
         END IF;
         BEGIN
             SELECT * INTO r FROM fanin_apply(batch);
-        EXCEPTION WHEN check_violation OR unique_violation THEN
+        EXCEPTION WHEN integrity_constraint_violation OR plpgsql_error THEN
             tripped := true;
         END;
     END IF;
@@ -806,27 +844,35 @@ BEGIN
         EXCEPTION
             WHEN lock_not_available THEN
                 held := held + 1;
-            WHEN check_violation OR unique_violation THEN
-                GET STACKED DIAGNOSTICS msg = MESSAGE_TEXT;
-                DELETE FROM fanin_event WHERE id = ANY (g.ids);
-                INSERT INTO fanin_quarantine AS q (fanout_id, reason, dropped_events)
-                VALUES (g.fanout_id, msg, cardinality(g.ids))
-                ON CONFLICT (fanout_id) DO UPDATE
-                   SET reason = EXCLUDED.reason,
-                       dropped_events = q.dropped_events + EXCLUDED.dropped_events,
-                       times = q.times + 1, last_at = now();
-                events := events + cardinality(g.ids);
-                quarantined := quarantined + 1;
-                quarantined_ids := quarantined_ids || g.fanout_id;
+            WHEN integrity_constraint_violation OR plpgsql_error THEN
+                GET STACKED DIAGNOSTICS msg = MESSAGE_TEXT, code = RETURNED_SQLSTATE,
+                                        sch = SCHEMA_NAME, tbl = TABLE_NAME;
+                IF code IN ('23514', '23505') AND fanin_own_table(sch, tbl) THEN
+                    DELETE FROM fanin_event WHERE id = ANY (g.ids);
+                    INSERT INTO fanin_quarantine AS q (fanout_id, reason, dropped_events)
+                    VALUES (g.fanout_id, msg, cardinality(g.ids))
+                    ON CONFLICT (fanout_id) DO UPDATE
+                       SET reason = EXCLUDED.reason,
+                           dropped_events = q.dropped_events + EXCLUDED.dropped_events,
+                           times = q.times + 1, last_at = now();
+                    events := events + cardinality(g.ids);
+                    quarantined := quarantined + 1;
+                    quarantined_ids := quarantined_ids || g.fanout_id;
+                ELSE
+                    -- Refused (rolled back to the block's start): its events stay.
+                    refused_ids := refused_ids || g.fanout_id;
+                    refused_events := refused_events + cardinality(g.ids);
+                    refused_reason := coalesce(refused_reason, msg);
+                END IF;
         END;
     END LOOP;
 END $$;
 
--- fanin_fire (internal) fires the open groups among p_ids (NULL: all open groups) whose
--- counters are complete and that have no unapplied inbox rows, with the flush's guards and
--- wake log. A group that already has a wake-log row is never fired again (the sweep marks
--- it fired instead).
-CREATE OR REPLACE FUNCTION fanin_fire(p_ids bigint[],
+-- fanin_fire_set (internal) is fanin_fire's one statement: it fires the open groups among
+-- p_ids (NULL: all open groups) whose counters are complete and that have no unapplied inbox
+-- rows, with the flush's guards and wake log. A group that already has a wake-log row is never
+-- fired again (the sweep marks it fired instead).
+CREATE OR REPLACE FUNCTION fanin_fire_set(p_ids bigint[],
     OUT groups_fired int, OUT parents_woken int, OUT woken bigint[])
 LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 BEGIN
@@ -854,6 +900,46 @@ BEGIN
       INTO groups_fired, parents_woken, woken;
 END $$;
 
+-- fanin_fire (internal) fires the groups among p_ids that are ready (fanin_fire_set), in one
+-- statement. When the database refuses that statement by itself (an integrity error, SQLSTATE
+-- class 23, or a raised exception, class P0: an application's trigger or CHECK constraint that
+-- will not let one waiting parent go back to pending), it fires the groups one at a time, each
+-- in a subtransaction of its own, and returns those refused in refused: they stay open and
+-- complete, for the next try. Before, one such parent failed the start's fire_ready every
+-- second, and a sweep page at every pass, with every other group of them
+-- (TestFaninFireRefusedGroup). The result gained refused: the earlier version is dropped first.
+DROP FUNCTION IF EXISTS fanin_fire(bigint[]);
+CREATE FUNCTION fanin_fire(p_ids bigint[],
+    OUT groups_fired int, OUT parents_woken int, OUT woken bigint[], OUT refused bigint[])
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
+DECLARE
+    r record;
+    g bigint;
+BEGIN
+    refused := '{}';
+    BEGIN
+        SELECT * INTO r FROM fanin_fire_set(p_ids);
+        groups_fired := r.groups_fired; parents_woken := r.parents_woken; woken := r.woken;
+        RETURN;
+    EXCEPTION WHEN integrity_constraint_violation OR plpgsql_error THEN
+        NULL; -- rolled back to the block's start: one group at a time below
+    END;
+    groups_fired := 0; parents_woken := 0; woken := '{}';
+    FOR g IN SELECT f.fanout_id FROM fanout f
+              WHERE f.state = 'open' AND f.done_n + f.failed_n = f.expected_n
+                AND (p_ids IS NULL OR f.fanout_id = ANY (p_ids))
+              ORDER BY f.fanout_id LOOP
+        BEGIN
+            SELECT * INTO r FROM fanin_fire_set(ARRAY[g]);
+            groups_fired := groups_fired + r.groups_fired;
+            parents_woken := parents_woken + r.parents_woken;
+            woken := woken || r.woken;
+        EXCEPTION WHEN integrity_constraint_violation OR plpgsql_error THEN
+            refused := refused || g;
+        END;
+    END LOOP;
+END $$;
+
 -- fanin_fire_ready fires every open group that is already complete and has no unapplied
 -- events: at start-up (after the flushes have emptied the inbox) and whenever the
 -- coordinator wants a safety pass. fanin_sweep does it for the groups of its page.
@@ -861,12 +947,14 @@ END $$;
 -- waiting parent's, a group's fanout row) made it wait, and every other ready group with it,
 -- for as long as the holder stayed (TestFaninStartupReadyGroupsHeld). So it locks the rows
 -- it writes first, SKIP LOCKED (each ready group's fanout row, then its parent's workqueue
--- row), fires the groups whose rows it got and returns how many it passed over (held); the
--- dispatcher calls it again a second later while held > 0.
--- The result gained held: the earlier version is dropped first.
+-- row), fires the groups whose rows it got and returns how many it passed over (held), and
+-- how many the database refused to wake by itself (refused, see fanin_fire); the dispatcher
+-- calls it again a second later while either is above 0.
+-- The result gained held, then refused: the earlier version is dropped first.
 DROP FUNCTION IF EXISTS fanin_fire_ready();
 CREATE FUNCTION fanin_fire_ready(
-    OUT groups_fired int, OUT parents_woken int, OUT woken bigint[], OUT held int)
+    OUT groups_fired int, OUT parents_woken int, OUT woken bigint[], OUT held int,
+    OUT refused int)
 LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     ready   bigint[];
@@ -890,11 +978,13 @@ BEGIN
                     AND (f.parent_id = ANY (parents)
                          OR NOT EXISTS (SELECT 1 FROM workqueue w WHERE w.workqueue_id = f.parent_id)));
     held := cardinality(ready) - cardinality(got);
+    refused := 0;
     IF cardinality(got) = 0 THEN
         groups_fired := 0; parents_woken := 0; woken := '{}';
         RETURN;
     END IF;
-    SELECT * INTO groups_fired, parents_woken, woken FROM fanin_fire(got);
+    SELECT f.groups_fired, f.parents_woken, f.woken, cardinality(f.refused)
+      INTO groups_fired, parents_woken, woken, refused FROM fanin_fire(got) f;
 END $$;
 
 -- fanin_recount (internal) recomputes the counters of the open groups p_ids from ground truth:
@@ -970,12 +1060,31 @@ END $$;
 -- quarantine_cleared, orphans_woken (alarm), groups_fired, parents_woken, woken, broken
 -- (groups the recount cannot fix: more terminal children than expected; alarm) and
 -- next_after: the cursor for the next call, 0 when this page ended the pass (start the next
--- pass from 0 after SWEEP_INTERVAL). Run it with SET LOCAL statement_timeout if needed.
-CREATE OR REPLACE FUNCTION fanin_sweep(p_after bigint DEFAULT 0, p_page int DEFAULT 500,
-                                       p_min_age interval DEFAULT '60 seconds',
+-- pass from 0 after SWEEP_INTERVAL), and refused: the wakes of the page (a complete group's
+-- parent, an orphan) the database refused by itself (an integrity error or a raised exception:
+-- an application's rule on that parent), left waiting for the next pass while the rest of the
+-- page is done; before, one such parent failed the page at every pass, and the sweep never
+-- went past it (TestFaninFireRefusedGroup). Run it with SET LOCAL statement_timeout if needed.
+-- The result gained refused: the earlier version is dropped first (a dispatcher of one names
+-- the columns it reads, so it goes on working over this one).
+CREATE OR REPLACE FUNCTION fanin_wake_orphans(p_ids bigint[]) RETURNS bigint[]
+LANGUAGE sql SET search_path FROM CURRENT AS $$
+    WITH o AS (
+        UPDATE workqueue p SET status = 'pending', status_at = now()
+         WHERE p.workqueue_id = ANY (p_ids) AND p.status = 'waiting'
+           AND NOT EXISTS (SELECT 1 FROM fanout f
+                            WHERE f.fanout_id = p.wait_fanout_id AND f.state = 'open')
+        RETURNING p.workqueue_id
+    )
+    SELECT coalesce(array_agg(workqueue_id ORDER BY workqueue_id), '{}') FROM o;
+$$;
+
+DROP FUNCTION IF EXISTS fanin_sweep(bigint, int, interval);
+CREATE FUNCTION fanin_sweep(p_after bigint DEFAULT 0, p_page int DEFAULT 500,
+                            p_min_age interval DEFAULT '60 seconds',
     OUT repaired int, OUT examined int, OUT quarantine_cleared int, OUT orphans_woken int,
     OUT groups_fired int, OUT parents_woken int, OUT woken bigint[], OUT broken bigint[],
-    OUT next_after bigint)
+    OUT next_after bigint, OUT refused int)
 LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
     q_ids    bigint[];
@@ -983,8 +1092,11 @@ DECLARE
     ids      bigint[];
     hi       bigint;
     r        record;
+    cand     bigint[];
     orphans  bigint[];
+    orphan   bigint;
 BEGIN
+    refused := 0;
     p_after := coalesce(p_after, 0);
     q_ids := ARRAY(SELECT fanout_id FROM fanin_quarantine ORDER BY fanout_id LIMIT p_page);
     page_ids := ARRAY(SELECT fanout_id FROM fanout
@@ -1008,22 +1120,34 @@ BEGIN
     DELETE FROM fanin_quarantine WHERE fanout_id = ANY (q_ids) AND NOT fanout_id = ANY (broken);
     GET DIAGNOSTICS quarantine_cleared = ROW_COUNT;
 
-    WITH o AS (
-        UPDATE workqueue p SET status = 'pending', status_at = now()
-         WHERE p.status = 'waiting'
-           AND ((p.wait_fanout_id > p_after AND p.wait_fanout_id <= hi)
-                OR (p_after = 0 AND p.wait_fanout_id IS NULL))
-           AND NOT EXISTS (SELECT 1 FROM fanout f
-                            WHERE f.fanout_id = p.wait_fanout_id AND f.state = 'open')
-        RETURNING p.workqueue_id
-    )
-    SELECT coalesce(array_agg(workqueue_id ORDER BY workqueue_id), '{}') INTO orphans FROM o;
+    cand := ARRAY(SELECT p.workqueue_id FROM workqueue p
+                   WHERE p.status = 'waiting'
+                     AND ((p.wait_fanout_id > p_after AND p.wait_fanout_id <= hi)
+                          OR (p_after = 0 AND p.wait_fanout_id IS NULL))
+                     AND NOT EXISTS (SELECT 1 FROM fanout f
+                                      WHERE f.fanout_id = p.wait_fanout_id AND f.state = 'open')
+                   ORDER BY p.workqueue_id);
+    orphans := '{}';
+    IF cardinality(cand) > 0 THEN
+        BEGIN
+            orphans := fanin_wake_orphans(cand);
+        EXCEPTION WHEN integrity_constraint_violation OR plpgsql_error THEN
+            FOREACH orphan IN ARRAY cand LOOP     -- rolled back: one at a time
+                BEGIN
+                    orphans := orphans || fanin_wake_orphans(ARRAY[orphan]);
+                EXCEPTION WHEN integrity_constraint_violation OR plpgsql_error THEN
+                    refused := refused + 1;
+                END;
+            END LOOP;
+        END;
+    END IF;
     orphans_woken := cardinality(orphans);
 
     SELECT * INTO r FROM fanin_fire(ids);
     groups_fired := r.groups_fired;
     parents_woken := r.parents_woken;
     woken := r.woken || orphans;
+    refused := refused + cardinality(r.refused);
 END $$;
 
 -- fanin_group_remaining: the state and remaining children of the groups p_ids, for the

@@ -460,7 +460,7 @@ func TestFaninDaemonFlushFails(t *testing.T) {
 	s := faninSetup(t)
 	d := faninStart(t, faninConf(t, s, "", "PARALLELISM = 2\nQUEUE_LIMIT = 8"), "fanin")
 	faninWarmUp(t, s)
-	s.exec(t, `ALTER FUNCTION fanin_flush(int, boolean) RENAME TO fanin_flush_away`)
+	s.exec(t, `ALTER FUNCTION fanin_flush(int, boolean, bigint[]) RENAME TO fanin_flush_away`)
 	ids := faninParents(t, s, `{"n": 3}`)
 	waitFor(t, 30*time.Second, "the three children done", func() bool {
 		return s.count(t, `SELECT count(*) FROM workqueue w JOIN fanout f USING (fanout_id)
@@ -478,10 +478,62 @@ func TestFaninDaemonFlushFails(t *testing.T) {
 	if n := s.count(t, `SELECT count(*) FROM fanin_event`); n == 0 {
 		t.Fatal("the inbox is empty while the flush fails")
 	}
-	s.exec(t, `ALTER FUNCTION fanin_flush_away(int, boolean) RENAME TO fanin_flush`)
+	s.exec(t, `ALTER FUNCTION fanin_flush_away(int, boolean, bigint[]) RENAME TO fanin_flush`)
 	faninWaitJoined(t, s, ids, 30*time.Second)
 	d.waitLog("fan-in flush works again", 30*time.Second)
 	faninExpectJoin(t, s, ids[0], 3, 0)
+	faninCheckQuiescent(t, s)
+	d.stop()
+}
+
+// TestFaninDaemonWakeRefused: an application's trigger refuses to let one parent wake (its
+// payload says "nowake"). Its children run and end; the dispatcher's flush leaves that group's
+// evidence in the inbox, says so once and shows it on /metrics, tries it again every second,
+// and wakes the other parents meanwhile; once the trigger is gone, the parent is woken and
+// its continuation runs, once. Before, the flush failed whole at every try, and no parent of
+// any group was woken while the refusal lasted.
+func TestFaninDaemonWakeRefused(t *testing.T) {
+	s := faninSetup(t)
+	addr := freePort(t)
+	d := faninStart(t, faninConf(t, s, "METRICS_LISTEN = "+addr, ""), "fanin")
+	faninWarmUp(t, s)
+	refusals, drop := appRefuses(t, s, "status",
+		`OLD.status = 'waiting' AND NEW.status = 'pending' AND OLD.payload ? 'nowake'`)
+	refused := faninParents(t, s, `{"n": 3, "nowake": true}`)
+	waitFor(t, 30*time.Second, "the refused parent's three children done", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue w JOIN fanout f USING (fanout_id)
+		    WHERE f.parent_id = $1 AND w.status = 'done'`, refused[0]) == 3
+	})
+	const said = "fan-in: the database refused to apply these groups' completions"
+	d.waitLog(said, 30*time.Second)
+	ids := faninParents(t, s, `{"n": 4}`, `{"n": 1}`)
+	waitFor(t, 30*time.Second, "2 other parents joined while the refused group waits", func() bool {
+		return faninJoined(t, s, ids) == 2
+	})
+	waitFor(t, 5*time.Second, "pepsi_fanin_refused_groups 1 on /metrics", func() bool {
+		v, ok := metric(t, addr, "pepsi_fanin_refused_groups")
+		return ok && v == 1
+	})
+	// Each try is refused twice (the batch's statement, then the group's own): three tries.
+	first := refusals()
+	waitFor(t, 10*time.Second, "the refused group tried again", func() bool { return refusals() >= first+4 })
+	if n := strings.Count(d.log.String(), said); n != 1 {
+		t.Errorf("the refusal was said %d times, want once:\n%s", n, d.log.String())
+	}
+	if _, st := faninRowStatus(t, s, refused[0]); st != "waiting" {
+		t.Fatalf("the refused parent is %s, want waiting", st)
+	}
+	if n := s.count(t, `SELECT count(*) FROM fanin_event e JOIN fanout f USING (fanout_id) WHERE f.parent_id = $1`, refused[0]); n == 0 {
+		t.Fatal("the refused group's evidence is gone from the inbox")
+	}
+
+	drop()
+	faninWaitJoined(t, s, refused, 30*time.Second)
+	faninExpectJoin(t, s, refused[0], 3, 0)
+	waitFor(t, 5*time.Second, "pepsi_fanin_refused_groups back to 0 on /metrics", func() bool {
+		v, ok := metric(t, addr, "pepsi_fanin_refused_groups")
+		return ok && v == 0
+	})
 	faninCheckQuiescent(t, s)
 	d.stop()
 }
@@ -838,7 +890,7 @@ func TestFaninFailpointShape(t *testing.T) {
 		}
 		s.exec(t, `DELETE FROM fanin_wake_log`)
 		parent := complete(3)
-		ev := f.runFlush(ctx, s.DB, false)
+		ev := f.runFlush(ctx, s.DB, false, nil)
 		if ev.err != nil || len(ev.results) != 1 || ev.results[0].woken != 1 {
 			t.Fatalf("hooked=%v: flush %+v, want one statement waking one parent", hooked, ev)
 		}
@@ -846,7 +898,7 @@ func TestFaninFailpointShape(t *testing.T) {
 			t.Errorf("hooked=%v: after the flush the parent is %s with %d inbox rows, want pending and 0", hooked, st, inbox())
 		}
 		orphan := lost()
-		f.runFlush(ctx, s.DB, false)
+		f.runFlush(ctx, s.DB, false, nil)
 		r, err := f.sweepOnce(ctx, s.DB, 0, 500, 0)
 		if err != nil || r.repaired != 1 || r.woken != 1 {
 			t.Fatalf("hooked=%v: sweep %+v, %v: want one group repaired and its parent woken", hooked, r, err)

@@ -43,6 +43,9 @@ type faninQuerier interface {
 type faninFlushResult struct {
 	Events, GroupsUpdated, GroupsFired, ParentsWoken, LateEvents, Quarantined, Held int
 	Woken, OpenIDs, OpenRemaining, QuarantinedIDs                                   []int64
+	RefusedIDs                                                                      []int64 // as of one flush
+	RefusedEvents                                                                   int
+	RefusedReason                                                                   sql.NullString
 }
 
 func (r *faninFlushResult) add(o faninFlushResult) {
@@ -66,14 +69,21 @@ func faninFlush(ctx context.Context, q faninQuerier, batch int) (faninFlushResul
 
 // faninFlushMode runs one fanin_flush(batch, lockFirst).
 func faninFlushMode(ctx context.Context, q faninQuerier, batch int, lockFirst bool) (faninFlushResult, error) {
+	return faninFlushPass(ctx, q, batch, lockFirst, nil)
+}
+
+// faninFlushPass runs one fanin_flush(batch, lockFirst, pass).
+func faninFlushPass(ctx context.Context, q faninQuerier, batch int, lockFirst bool, pass []int64) (faninFlushResult, error) {
 	var r faninFlushResult
 	err := q.QueryRowContext(ctx, `SELECT events, groups_updated, groups_fired, parents_woken,
-	        late_events, quarantined, woken, open_ids, open_remaining, quarantined_ids, held
-	   FROM fanin_flush($1, $2)`, batch, lockFirst).Scan(&r.Events, &r.GroupsUpdated, &r.GroupsFired,
-		&r.ParentsWoken, &r.LateEvents, &r.Quarantined, pq.Array(&r.Woken), pq.Array(&r.OpenIDs),
-		pq.Array(&r.OpenRemaining), pq.Array(&r.QuarantinedIDs), &r.Held)
+	        late_events, quarantined, woken, open_ids, open_remaining, quarantined_ids, held,
+	        refused_ids, refused_events, refused_reason
+	   FROM fanin_flush($1, $2, $3)`, batch, lockFirst, idList(pass)).Scan(&r.Events, &r.GroupsUpdated,
+		&r.GroupsFired, &r.ParentsWoken, &r.LateEvents, &r.Quarantined, pq.Array(&r.Woken),
+		pq.Array(&r.OpenIDs), pq.Array(&r.OpenRemaining), pq.Array(&r.QuarantinedIDs), &r.Held,
+		pq.Array(&r.RefusedIDs), &r.RefusedEvents, &r.RefusedReason)
 	if err != nil {
-		return r, fmt.Errorf("fanin_flush(%d, %t): %w", batch, lockFirst, err)
+		return r, fmt.Errorf("fanin_flush(%d, %t, %v): %w", batch, lockFirst, pass, err)
 	}
 	return r, nil
 }
@@ -1711,6 +1721,107 @@ func TestFaninFlushPassesHeldGroups(t *testing.T) {
 	faninExpectFired(t, s, 3)
 }
 
+// TestFaninFlushRefusedGroup: the database refuses the wake of two groups' parents by itself,
+// one through an application's trigger (a raised exception), the other through its CHECK
+// constraint on workqueue (a check_violation, which is not the flush's own tripwire). The flush
+// applies the other groups and wakes their parents, leaves the refused groups' events in the
+// inbox, unapplied, and names the groups; passed over, they are left unread; once the rules are
+// gone, they are applied and their parents woken, once each. Before, the whole batch failed,
+// at every flush: one parent an application would not let wake stopped every wake. With a
+// batch that the refused events fill, the dispatcher's flush goes on past them (runFlush) to
+// the groups behind.
+func TestFaninFlushRefusedGroup(t *testing.T) {
+	s := newTestSchema(t)
+	parentB, fidB, kidsB := faninClaimedGroup(t, s, 2)
+	parentA, _, kidsA := faninClaimedGroup(t, s, 2)
+	parentD, fidD, kidsD := faninClaimedGroup(t, s, 3)
+	parentC, _, kidsC := faninClaimedGroup(t, s, 1)
+	for _, kids := range [][]int64{kidsB, kidsA, kidsD, kidsC} { // B's events first in the inbox
+		for _, k := range kids {
+			faninFinish(t, s, []int64{k}, "done") // a statement, and an inbox row, each
+		}
+	}
+	refusals, dropTrigger := appRefuses(t, s, "status",
+		fmt.Sprintf(`OLD.workqueue_id = %d AND NEW.status = 'pending'`, parentB))
+	s.exec(t, fmt.Sprintf(`ALTER TABLE workqueue ADD CONSTRAINT app_no_wake
+	    CHECK (workqueue_id <> %d OR status <> 'pending') NOT VALID`, parentD))
+	flush := func(batch int, pass ...int64) faninFlushResult {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		r, err := faninFlushPass(ctx, s.DB, batch, false, pass)
+		if err != nil {
+			t.Fatalf("a flush with B's and D's wakes refused: %v", err)
+		}
+		return r
+	}
+	inboxOf := func(fid int64) int {
+		return s.count(t, `SELECT count(*) FROM fanin_event WHERE fanout_id = $1`, fid)
+	}
+
+	r := flush(100)
+	if r.Events != 3 || r.GroupsFired != 2 || !slices.Equal(r.Woken, []int64{parentA, parentC}) ||
+		!slices.Equal(r.RefusedIDs, []int64{fidB, fidD}) || r.RefusedEvents != 5 || r.Quarantined != 0 {
+		t.Fatalf("flush with B's and D's wakes refused: %+v; want A and C applied and woken, B and D refused with 5 events", r)
+	}
+	if !strings.Contains(r.RefusedReason.String, fmt.Sprintf("refuses to update message %d", parentB)) {
+		t.Errorf("refused_reason %q does not say the application's refusal of B's parent", r.RefusedReason.String)
+	}
+	if refusals() == 0 {
+		t.Fatal("the application's trigger never ran")
+	}
+	for fid, n := range map[int64]int{fidB: 2, fidD: 3} {
+		if got := inboxOf(fid); got != n {
+			t.Errorf("group %d has %d inbox rows after its refusal, want its %d kept", fid, got, n)
+		}
+		if state, _, done, _ := faninGroup(t, s, fid); state != "open" || done != 0 {
+			t.Errorf("refused group %d is %s with %d done, want open with nothing applied", fid, state, done)
+		}
+	}
+	for _, p := range []int64{parentB, parentD} {
+		if _, st := faninRowStatus(t, s, p); st != "waiting" {
+			t.Errorf("parent %d of a refused group is %s, want waiting", p, st)
+		}
+	}
+	if r := flush(100, fidB, fidD); r.Events != 0 || len(r.RefusedIDs) != 0 || r.RefusedEvents != 0 {
+		t.Fatalf("a flush passing B and D over: %+v; want nothing read", r)
+	}
+
+	// The dispatcher's flush with a batch of 2: B's two events fill the first, D's three the
+	// second and part of the third; it goes on past them, passing each group over once refused.
+	parentE, _, kidsE := faninClaimedGroup(t, s, 1)
+	faninFinish(t, s, kidsE, "done")
+	cfg := DispatchConfig{FaninBatch: 2, FaninMaxDelay: faninMaxDelayDefault, FaninMinHints: faninMinHintsDefault}
+	ev := newFanin(cfg, &faninCounters{}).runFlush(context.Background(), s.DB, false, nil)
+	var refused []int64
+	for _, r := range ev.results {
+		refused = append(refused, r.refusedIDs...)
+	}
+	if ev.err != nil || !slices.Equal(refused, []int64{fidB, fidD}) {
+		t.Fatalf("runFlush with a batch of 2: err %v, refused %v; want B and D refused, one statement each", ev.err, refused)
+	}
+	if _, st := faninRowStatus(t, s, parentE); st != "pending" {
+		t.Fatalf("parent %d behind the refused groups' events is %s after the flush, want pending (statements: %+v)",
+			parentE, st, ev.results)
+	}
+	// D's first two events came in a batch without its last: they complete nothing, so they
+	// were applied; its last, which completes it, is the one refused.
+	if state, _, done, _ := faninGroup(t, s, fidD); state != "open" || done != 2 || inboxOf(fidD) != 1 {
+		t.Fatalf("group D is %s with %d done and %d inbox rows, want open with 2 applied and its last kept",
+			state, done, inboxOf(fidD))
+	}
+
+	dropTrigger()
+	s.exec(t, `ALTER TABLE workqueue DROP CONSTRAINT app_no_wake`)
+	if r := flush(100); r.Events != 3 || !slices.Equal(r.Woken, []int64{parentB, parentD}) || len(r.RefusedIDs) != 0 {
+		t.Fatalf("flush after the rules are gone: %+v; want B's 2 and D's last event applied and both parents woken", r)
+	}
+	if r := flush(100); r.Events != 0 {
+		t.Fatalf("a re-flush did something: %+v", r)
+	}
+	faninExpectFired(t, s, 5)
+}
+
 // TestFaninFlushLockFirst: fanin_flush(batch, true), what the dispatcher asks for while its last
 // flush passed groups over, applies the same batch as the default but locks its rows first:
 // it passes the held groups over without the 100 ms the default waits for a held row (a group
@@ -1796,6 +1907,72 @@ func TestFaninFireReadyPassesHeld(t *testing.T) {
 	}
 	if fired, held, _ := fire(); fired != 0 || held != 0 {
 		t.Fatalf("a third fire_ready: %d fired, %d held; want nothing", fired, held)
+	}
+	faninExpectFired(t, s, 3)
+}
+
+// TestFaninFireRefusedGroup: three complete groups wait to be fired (their events applied, as
+// after a crash between a flush and its fire), and the database refuses the wake of one
+// group's parent by itself (an application's trigger), and of one orphan waiter. The start's
+// fanin_fire_ready fires the two others and counts the one refused; a sweep pass wakes the
+// other orphan, goes through its page to the end and leaves the refused group open and both
+// refused parents waiting; once the rule is gone, the next pass fires the group and wakes the
+// orphan, once each. Before, one refused wake failed fire_ready whole, and the sweep's page
+// at every pass, so the sweep never went past it.
+func TestFaninFireRefusedGroup(t *testing.T) {
+	s := newTestSchema(t)
+	parentA, _ := faninHandGroup(t, s, 2, handApplied)
+	parentB, fidB := faninHandGroup(t, s, 3, handApplied)
+	parentC, _ := faninHandGroup(t, s, 1, handApplied)
+	orphan := faninParent(t, s, "split")
+	refusedOrphan := faninParent(t, s, "split")
+	s.exec(t, `UPDATE workqueue SET status = 'waiting', stage = 'join', wait_fanout_id = 424242
+	    WHERE workqueue_id = ANY ($1)`, pq.Array([]int64{orphan, refusedOrphan}))
+	refusals, dropTrigger := appRefuses(t, s, "status", fmt.Sprintf(
+		`OLD.workqueue_id IN (%d, %d) AND NEW.status = 'pending'`, parentB, refusedOrphan))
+
+	var fired, held, refused int
+	var woken []int64
+	if err := s.DB.QueryRow(`SELECT groups_fired, held, refused, woken FROM fanin_fire_ready()`).
+		Scan(&fired, &held, &refused, pq.Array(&woken)); err != nil {
+		t.Fatalf("fanin_fire_ready with B's wake refused: %v", err)
+	}
+	if fired != 2 || held != 0 || refused != 1 || !slices.Equal(woken, []int64{parentA, parentC}) {
+		t.Fatalf("fire_ready: %d fired, %d held, %d refused, woken %v; want A and C fired and woken, B refused",
+			fired, held, refused, woken)
+	}
+	if state, _, _, _ := faninGroup(t, s, fidB); state != "open" {
+		t.Fatalf("refused group B is %s, want open", state)
+	}
+
+	sweep := func() (faninSweepResult, int) {
+		t.Helper()
+		var r faninSweepResult
+		var refused int
+		if err := s.DB.QueryRow(`SELECT orphans_woken, groups_fired, woken, next_after, refused
+		        FROM fanin_sweep(0, 500, '0')`).Scan(&r.OrphansWoken, &r.GroupsFired, pq.Array(&r.Woken),
+			&r.NextAfter, &refused); err != nil {
+			t.Fatalf("fanin_sweep with two wakes refused: %v", err)
+		}
+		return r, refused
+	}
+	r, refused := sweep()
+	if r.OrphansWoken != 1 || r.GroupsFired != 0 || !slices.Equal(r.Woken, []int64{orphan}) || r.NextAfter != 0 || refused != 2 {
+		t.Fatalf("sweep: %+v, %d refused; want the other orphan woken, the pass ended, B's and the orphan's wakes refused", r, refused)
+	}
+	for _, p := range []int64{parentB, refusedOrphan} {
+		if _, st := faninRowStatus(t, s, p); st != "waiting" {
+			t.Errorf("parent %d whose wake was refused is %s, want waiting", p, st)
+		}
+	}
+	if refusals() < 3 {
+		t.Errorf("the application's trigger refused %d wakes, want at least 3 (fire_ready's, the sweep's two)", refusals())
+	}
+
+	dropTrigger()
+	r, refused = sweep()
+	if r.OrphansWoken != 1 || r.GroupsFired != 1 || !slices.Equal(r.Woken, []int64{parentB, refusedOrphan}) || refused != 0 {
+		t.Fatalf("sweep after the rule is gone: %+v, %d refused; want B fired and its parent and the orphan woken", r, refused)
 	}
 	faninExpectFired(t, s, 3)
 }

@@ -29,18 +29,19 @@ const metricsPublishEvery = time.Second
 
 // metricsSnapshot is what the coordinator publishes.
 type metricsSnapshot struct {
-	at        time.Time
-	started   time.Time
-	epoch     int64
-	stages    []stageSnapshot // sorted by name
-	global    globalCounters
-	fanin     faninCounters
-	workers   int
-	inflight  int
-	config    []*StageConfig // the stage table as the coordinator runs it, sorted by name
-	claimMax  time.Duration
-	held      int // writes waiting for a row another transaction holds (outcome.go)
-	faninHeld int // fan-in groups the last flush passed over: another transaction holds a row (fanin.go)
+	at           time.Time
+	started      time.Time
+	epoch        int64
+	stages       []stageSnapshot // sorted by name
+	global       globalCounters
+	fanin        faninCounters
+	workers      int
+	inflight     int
+	config       []*StageConfig // the stage table as the coordinator runs it, sorted by name
+	claimMax     time.Duration
+	held         int // writes waiting for a row another transaction holds (outcome.go)
+	faninHeld    int // fan-in groups the last flush passed over: another transaction holds a row (fanin.go)
+	faninRefused int // fan-in groups whose events the database refused to apply by themselves (fanin.go)
 }
 
 type stageSnapshot struct {
@@ -70,7 +71,8 @@ func (m *metricsServer) publish(s *metricsSnapshot) { m.snap.Store(s) }
 func (c *coordinator) snapshot() *metricsSnapshot {
 	s := &metricsSnapshot{at: time.Now(), started: c.started, epoch: c.inst.epoch,
 		global: c.stats.Global, fanin: c.stats.Fanin, workers: len(c.workers), inflight: c.inflightAll,
-		claimMax: c.claimMax, held: len(c.heldFailures) + len(c.heldResets), faninHeld: c.fanin.heldGroups}
+		claimMax: c.claimMax, held: len(c.heldFailures) + len(c.heldResets), faninHeld: c.fanin.heldGroups,
+		faninRefused: len(c.fanin.refused)}
 	now := time.Now()
 	names := map[string]bool{}
 	for name := range c.pools {
@@ -201,6 +203,7 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 			fmt.Sprintf("%.6f", s.claimMax.Seconds()))
 		p.sample("pepsi_held_writes", "gauge", "Failure and reset writes waiting for a row another transaction holds.", "", s.held)
 		p.sample("pepsi_fanin_held_groups", "gauge", "Fan-in groups the last flush passed over: another transaction holds a row they write.", "", s.faninHeld)
+		p.sample("pepsi_fanin_refused_groups", "gauge", "Fan-in groups whose completions the database refused to apply by themselves (an application's rule on a waiting parent).", "", s.faninRefused)
 		for _, st := range s.stages {
 			l := stageLabel(st.name)
 			p.sample("pepsi_stage_workers", "gauge", "Live worker processes per stage.", l, st.workers)
