@@ -394,6 +394,65 @@ func appRefuses(t *testing.T, s *testSchema, column, when string) (refusals func
 	return refusals, func() { s.exec(t, `DROP TRIGGER app_refuse ON workqueue`) }
 }
 
+// TestAbortLeftoversRefusedAlone: a run that ends on a fatal error (here a reloaded graph that
+// does not validate) kills its workers and writes what it has left in one go: a failure whose
+// write the database refused in the loop (kept, tried every second) and the resets of every
+// message the killed workers had. An application's trigger refuses every write of the two
+// "poison" rows. The other two messages go back to pending, uncharged, and the two refused
+// rows stay running for the next start, said in one line; once the trigger is gone, that start
+// puts them back to pending and its own stop leaves nothing running. Before, the failures'
+// statement refused whole ended the leftovers' writes: every reset was left running too, for
+// the next start to find.
+func TestAbortLeftoversRefusedAlone(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	_, drop := appRefuses(t, s, "status", `OLD.status = 'running' AND OLD.payload ? 'poison'`)
+	conf := strings.Replace(baseConf(s, ""), "SHUTDOWN_GRACE = 5", "SHUTDOWN_GRACE = 1", 1) +
+		stageConf(t, "a", "", "PARALLELISM = 4\nQUEUE_LIMIT = 1\nRETRY_DELAY = 60")
+	d := startDaemon(t, conf, "pipeline")
+	warmUp(t, s, "a")
+	failing := insertOne(t, s, "a", `{"fail_at": "a", "poison": true}`)
+	d.waitLog("the database refused this message's failure write alone", 30*time.Second)
+	hung := []int64{insertOne(t, s, "a", `{"hang_at": "a"}`), insertOne(t, s, "a", `{"hang_at": "a"}`)}
+	poisonHung := insertOne(t, s, "a", `{"hang_at": "a", "poison": true}`)
+	waitFor(t, 30*time.Second, "the failing message and three hung ones running", func() bool {
+		return countStatus(t, s, "running") == 4
+	})
+
+	s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-a', 'NEXT', 'nowhere')`)
+	if st := d.wait(30 * time.Second); st != 1 {
+		t.Fatalf("exit %d after a reload that does not validate, want 1", st)
+	}
+	for _, id := range hung {
+		if r := row(t, s, id); r.status != "pending" || r.attempts != 0 {
+			t.Errorf("hung message %d after the abort: %+v, want back to pending, uncharged", id, r)
+		}
+	}
+	for _, id := range []int64{failing, poisonHung} {
+		if r := row(t, s, id); r.status != "running" {
+			t.Errorf("refused message %d after the abort: %+v, want still running", id, r)
+		}
+	}
+	const said = "the database refused these rows' writes at shutdown by themselves"
+	if n := strings.Count(d.log.String(), said); n != 1 {
+		t.Errorf("the refused leftovers were said %d times, want once:\n%s", n, d.log.String())
+	} else if !strings.Contains(d.log.String(), "rows=2") {
+		t.Errorf("the line does not count the 2 refused rows:\n%s", d.log.String())
+	}
+
+	drop()
+	s.exec(t, `DELETE FROM config`)
+	d2 := startDaemon(t, conf, "pipeline")
+	d2.waitLog("orphans_reset=2", 30*time.Second)
+	waitFor(t, 30*time.Second, "the three hung messages running again", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'running' AND payload ? 'hang_at'`) == 3
+	})
+	d2.stop()
+	if n := countStatus(t, s, "running"); n != 0 {
+		t.Errorf("%d rows running after the second stop, want none", n)
+	}
+}
+
 // refuseResets: an application that refuses to put a running message back to pending when
 // its payload says "poison".
 func refuseResets(t *testing.T, s *testSchema) (refusals func() int, drop func()) {

@@ -5,7 +5,6 @@ package main
 
 import (
 	"fmt"
-	"maps"
 	"slices"
 	"time"
 )
@@ -277,15 +276,13 @@ func (c *coordinator) writeOutcomes() bool {
 	passedOver := false
 	if len(c.failures) > 0 {
 		ctx, cancel := c.budget()
-		out, held, err := writeFailures(ctx, c.inst.conn, c.failures)
+		out, held, refused, err := failRows(ctx, c.inst.conn, c.failures, now.Add(refusedSplitBudget))
 		cancel()
-		if err != nil && !isOutage(err) && c.ctx.Err() == nil && c.inst.conn != nil && c.pingLock() == nil {
-			out, held, err = c.writeFailuresAlone(now)
-		}
 		if err != nil {
 			c.dbTrouble("record failures", err)
 			return false
 		}
+		c.keepRefusedFailures(refused, held)
 		groups := map[int64]int64{} // failed message -> its fan-out group, for the hints
 		for _, f := range c.failures {
 			if f.m.fanout != 0 {
@@ -352,40 +349,20 @@ func (c *coordinator) writeOutcomes() bool {
 // one settle; those not tried within it wait for the next round (heldRetryGap).
 const refusedSplitBudget = 100 * time.Millisecond
 
-// writeFailuresAlone writes the queued failures one statement each, after the database
-// refused them in one. The refusal may be one row's alone: no longer pepsi's own writes
-// (storableReason, failSQL), but an application's trigger or CHECK on workqueue may refuse
-// the write of one row. The loop writes failures before it claims, so sending the same batch
-// again and again stopped every stage (TestFailureWriteRefusedAlone). Only after a refusal
-// on a lock connection that answers a ping: a lost one is dbTrouble's. A failure whose own
-// write is refused waits as a held one does: said (at most failureLinesPerMinute lines a
+// keepRefusedFailures marks the queued failures whose own write the database refused by
+// itself (refused, from failRows) as held: no longer pepsi's own writes (storableReason,
+// failSQL), but an application's trigger or CHECK on workqueue may refuse the write of one row.
+// Such a failure waits as a held one does: said (at most failureLinesPerMinute lines a
 // minute), tried again every second, its row running and ours, the claims going on; so do
-// those not tried within refusedSplitBudget. It returns an error only for an outage.
-func (c *coordinator) writeFailuresAlone(now time.Time) (out []failOutcome, held map[int64]bool, err error) {
-	held = map[int64]bool{}
-	deadline := now.Add(refusedSplitBudget)
+// those failRows did not try within refusedSplitBudget of the loop's time.
+func (c *coordinator) keepRefusedFailures(refused map[int64]error, held map[int64]bool) {
 	for _, f := range c.failures {
-		if time.Now().After(deadline) {
-			held[f.m.id] = true
-			f.m.writeHeld = true // not another transaction's lock: no "a write waits" line for it
-			continue
-		}
-		ctx, cancel := c.budget()
-		o, h, err := writeFailures(ctx, c.inst.conn, []failure{f})
-		cancel()
-		switch {
-		case err != nil && (isOutage(err) || c.ctx.Err() != nil):
-			return nil, nil, err
-		case err != nil:
+		if err, ok := refused[f.m.id]; ok {
 			held[f.m.id] = true
 			f.m.writeHeld = true // over an outage it stays a failure (reconcile.go)
 			c.noteRefused(f.m, "failure write", err)
-		default:
-			out = append(out, o...)
-			maps.Copy(held, h)
 		}
 	}
-	return out, held, nil
 }
 
 // noteRefused logs, once per message and at most failureLinesPerMinute lines a minute, that

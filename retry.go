@@ -228,39 +228,84 @@ func writeResets(ctx context.Context, conn *sql.Conn, ms []*message) (written in
 }
 
 // resetRows is writeResets for the dispatcher's own resets (the loop's, the reconcile's, the
-// start's): when the database refuses the statement on a connection that still answers, it
-// writes the rows one statement each, so that a refusal that is one row's (an application's
-// trigger or CHECK on workqueue) keeps only that row running, in refused, and the others go
-// back to pending. The statement of all of them refused again and again stopped every claim
-// (the loop's and the reconcile's) or the start itself (TestResetRefusedAlone). Rows not
-// tried by deadline (zero: no deadline) are in held, to be tried again with the rows another
-// transaction holds; held is never nil when refused holds a row. It returns an error only
-// when the connection or ctx is gone.
+// start's, the shutdown's): when the database refuses the statement on a connection that still
+// answers, it writes the rows one statement each (eachAlone), so that a refusal that is one
+// row's (an application's trigger or CHECK on workqueue) keeps only that row running, in
+// refused, and the others go back to pending. The statement of all of them refused again and
+// again stopped every claim (the loop's and the reconcile's) or the start itself
+// (TestResetRefusedAlone). Rows not tried by deadline (zero: no deadline) are in held, to be
+// tried again with the rows another transaction holds; held is never nil when refused holds
+// a row. It returns an error only when the connection or ctx is gone.
 func resetRows(ctx context.Context, conn *sql.Conn, ms []*message, deadline time.Time) (
 	written int64, held map[int64]bool, refused map[int64]error, err error) {
 	written, held, err = writeResets(ctx, conn, ms)
-	if err == nil || isOutage(err) || ctx.Err() != nil || conn.PingContext(ctx) != nil {
+	if !refusedAlive(ctx, conn, err) {
 		return written, held, nil, err
 	}
+	written = 0
+	held, refused, err = eachAlone(ctx, ms, deadline, func(m *message) *message { return m },
+		func(one []*message) (map[int64]bool, error) {
+			n, h, err := writeResets(ctx, conn, one)
+			written += n
+			return h, err
+		})
+	return written, held, refused, err
+}
+
+// failRows is writeFailures for the dispatcher's failures (the loop's, the shutdown's), as
+// resetRows is for its resets: when the database refuses the statement on a connection that
+// still answers, one statement each, the refused ones in refused and the rest written. The
+// statement of all of them refused again and again stopped every stage
+// (TestFailureWriteRefusedAlone) and, at shutdown, left every failure and every reset of the
+// run running for the next start (TestAbortLeftoversRefusedAlone).
+func failRows(ctx context.Context, conn *sql.Conn, fs []failure, deadline time.Time) (
+	out []failOutcome, held map[int64]bool, refused map[int64]error, err error) {
+	out, held, err = writeFailures(ctx, conn, fs)
+	if !refusedAlive(ctx, conn, err) {
+		return out, held, nil, err
+	}
+	out = nil
+	held, refused, err = eachAlone(ctx, fs, deadline, func(f failure) *message { return f.m },
+		func(one []failure) (map[int64]bool, error) {
+			o, h, err := writeFailures(ctx, conn, one)
+			out = append(out, o...)
+			return h, err
+		})
+	return out, held, refused, err
+}
+
+// refusedAlive reports whether err, a write's, is the database refusing it on a connection
+// that still answers (not an outage, not ctx's end): the refusal may be one row's.
+func refusedAlive(ctx context.Context, conn *sql.Conn, err error) bool {
+	return err != nil && !isOutage(err) && ctx.Err() == nil && conn.PingContext(ctx) == nil
+}
+
+// eachAlone writes each of items in a statement of its own (write) until deadline (zero: no
+// deadline), after the database refused them in one: it returns the rows another transaction
+// holds and those not tried by deadline (held, never nil; the latter with writeHeld set: no
+// other transaction's lock, no "a write waits" line), and the rows whose own write the
+// database refused, with why. It returns an error only when the connection or ctx is gone.
+func eachAlone[T any](ctx context.Context, items []T, deadline time.Time, msg func(T) *message,
+	write func(one []T) (map[int64]bool, error)) (held map[int64]bool, refused map[int64]error, err error) {
 	held, refused = map[int64]bool{}, map[int64]error{}
-	for _, m := range ms {
+	for _, it := range items {
+		m := msg(it)
 		if !deadline.IsZero() && time.Now().After(deadline) {
 			held[m.id] = true
-			m.writeHeld = true // no other transaction's lock: no "a write waits" line for it
+			m.writeHeld = true
 			continue
 		}
-		n, h, err := writeResets(ctx, conn, []*message{m})
+		h, err := write([]T{it})
 		switch {
 		case err != nil && (isOutage(err) || ctx.Err() != nil):
-			return 0, nil, nil, err
+			return nil, nil, err
 		case err != nil:
 			refused[m.id] = err
 		default:
-			written += n
 			maps.Copy(held, h)
 		}
 	}
-	return written, held, refused, nil
+	return held, refused, nil
 }
 
 // flipDue returns due paused rows to pending, but those in skip; it reports how many, and the

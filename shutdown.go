@@ -9,7 +9,9 @@ package main
 
 import (
 	"context"
+	"maps"
 	"os"
+	"slices"
 	"time"
 )
 
@@ -66,7 +68,11 @@ func (c *coordinator) abort() {
 // writeLeftovers writes queued outcomes with a bounded retry; what the database will not take
 // stays running in the table and is reset by the next start. So do the rows that another
 // transaction holds: the wait for them has no end in sight, and the next start fences this
-// run's workers' sessions, the usual holders, before it resets.
+// run's workers' sessions, the usual holders, before it resets. A write the database refuses
+// for one row by itself (an application's trigger or CHECK on workqueue) leaves that row
+// alone running (failRows, resetRows): before, the failures' statement refused whole left
+// every failure and every reset of the run running, its failures to run again uncharged
+// (TestAbortLeftoversRefusedAlone).
 func (c *coordinator) writeLeftovers() {
 	c.failures = append(c.failures, c.heldFailures...)
 	c.resets = append(c.resets, c.heldResets...)
@@ -75,6 +81,7 @@ func (c *coordinator) writeLeftovers() {
 		return
 	}
 	held := 0
+	var refused []int64
 	err := withRetry(c.ctx, dbStatementBudget, "write outcomes at shutdown", func(ctx context.Context) error {
 		if c.inst.conn == nil {
 			if err := c.inst.relock(ctx); err != nil {
@@ -82,19 +89,21 @@ func (c *coordinator) writeLeftovers() {
 			}
 		}
 		if len(c.failures) > 0 {
-			_, h, err := writeFailures(ctx, c.inst.conn, c.failures)
+			_, h, r, err := failRows(ctx, c.inst.conn, c.failures, time.Time{})
 			if err != nil {
 				return err
 			}
 			held += len(h)
+			refused = append(refused, slices.Sorted(maps.Keys(r))...)
 			c.failures = nil
 		}
 		if len(c.resets) > 0 {
-			_, h, err := writeResets(ctx, c.inst.conn, c.resets)
+			_, h, r, err := resetRows(ctx, c.inst.conn, c.resets, time.Time{})
 			if err != nil {
 				return err
 			}
 			held += len(h)
+			refused = append(refused, slices.Sorted(maps.Keys(r))...)
 			c.resets = nil
 		}
 		return nil
@@ -102,6 +111,10 @@ func (c *coordinator) writeLeftovers() {
 	if err != nil {
 		c.log.Error("could not write outcomes; their rows stay running and the next start puts them back to pending",
 			"failures", len(c.failures), "resets", len(c.resets), "err", err)
+	}
+	if len(refused) > 0 {
+		c.log.Warn("the database refused these rows' writes at shutdown by themselves (an application's rule on them); they stay running and the next start puts them back to pending",
+			"rows", len(refused), "ids", refused[:min(len(refused), 20)])
 	}
 	if held > 0 {
 		c.log.Warn("rows held by other transactions were not written; they stay running and the next start puts them back to pending",
