@@ -228,12 +228,13 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 		return v
 	}
 	var heldWrites, heldGroups int // the dispatcher's, waiting for rows another transaction holds
+	var refusedGroups int          // fan-in groups whose wake the database refuses by itself
 	if s := c.snap(); s != nil {
 		for _, st := range s.stages {
 			v := get(st.name)
 			v.Workers, v.InFlight, v.Held, v.Paused = st.workers, st.inflight, st.held, st.paused
 		}
-		heldWrites, heldGroups = s.held, s.faninHeld
+		heldWrites, heldGroups, refusedGroups = s.held, s.faninHeld, s.faninRefused
 	}
 	counts, counted, err := c.counts.get(ctx, c.pool())
 	if err != nil {
@@ -258,13 +259,14 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 	}
 	slices.SortFunc(out, func(a, b *stageView) int { return strings.Compare(a.Name, b.Name) })
 	return "Overview", "overview", struct {
-		Stages     []*stageView
-		Statuses   []string
-		Every      time.Duration
-		Counted    time.Duration // how old the counts are (console_counts.go)
-		HeldWrites int           // pepsi_held_writes
-		HeldGroups int           // pepsi_fanin_held_groups
-	}{out, consoleStatuses, consoleSampleEvery, time.Since(counted), heldWrites, heldGroups}, nil
+		Stages        []*stageView
+		Statuses      []string
+		Every         time.Duration
+		Counted       time.Duration // how old the counts are (console_counts.go)
+		HeldWrites    int           // pepsi_held_writes
+		HeldGroups    int           // pepsi_fanin_held_groups
+		RefusedGroups int           // pepsi_fanin_refused_groups
+	}{out, consoleStatuses, consoleSampleEvery, time.Since(counted), heldWrites, heldGroups, refusedGroups}, nil
 }
 
 // pausedStages reads the PAUSED overlay rows (operate.md §3): a stage is paused when its

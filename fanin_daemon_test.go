@@ -488,10 +488,10 @@ func TestFaninDaemonFlushFails(t *testing.T) {
 
 // TestFaninDaemonWakeRefused: an application's trigger refuses to let one parent wake (its
 // payload says "nowake"). Its children run and end; the dispatcher's flush leaves that group's
-// evidence in the inbox, says so once and shows it on /metrics, tries it again every second,
-// and wakes the other parents meanwhile; once the trigger is gone, the parent is woken and
-// its continuation runs, once. Before, the flush failed whole at every try, and no parent of
-// any group was woken while the refusal lasted.
+// evidence in the inbox, says so once and shows it on /metrics and the console's overview,
+// tries it again every second, and wakes the other parents meanwhile; once the trigger is
+// gone, the parent is woken and its continuation runs, once. Before, the flush failed whole at
+// every try, and no parent of any group was woken while the refusal lasted.
 func TestFaninDaemonWakeRefused(t *testing.T) {
 	s := faninSetup(t)
 	addr := freePort(t)
@@ -514,6 +514,9 @@ func TestFaninDaemonWakeRefused(t *testing.T) {
 		v, ok := metric(t, addr, "pepsi_fanin_refused_groups")
 		return ok && v == 1
 	})
+	if page := consoleOverview(t, addr); !strings.Contains(page, "wake the parents of <b>1</b> fan-in group,") {
+		t.Errorf("the console's overview does not show the refused group:\n%s", page)
+	}
 	// Each try is refused twice (the batch's statement, then the group's own): three tries.
 	first := refusals()
 	waitFor(t, 10*time.Second, "the refused group tried again", func() bool { return refusals() >= first+4 })
@@ -534,6 +537,9 @@ func TestFaninDaemonWakeRefused(t *testing.T) {
 		v, ok := metric(t, addr, "pepsi_fanin_refused_groups")
 		return ok && v == 0
 	})
+	if page := consoleOverview(t, addr); strings.Contains(page, `id="refused"`) {
+		t.Errorf("the console's overview still shows a refused group once it is woken:\n%s", page)
+	}
 	faninCheckQuiescent(t, s)
 	d.stop()
 }
