@@ -187,9 +187,13 @@ $$;
 -- otherwise be costed at 10^10 and compiled (fanin.sql, the coordinator's side).
 
 -- The result of an action for the ids asked for: changed ones (ok) with their new status,
--- the others refused with the state they were found in.
+-- the others refused with the state they were found in, or with what the database said when
+-- it refused the row's change by itself (p_refused, from queue_apply).
+-- The function gained p_refused: the earlier version is dropped first (a call with five
+-- arguments would match both).
+DROP FUNCTION IF EXISTS queue_result(text, bigint[], bigint[], text[], text);
 CREATE OR REPLACE FUNCTION queue_result(p_action text, p_ids bigint[], p_changed bigint[],
-                                        p_from text[], p_new text)
+                                        p_from text[], p_new text, p_refused jsonb DEFAULT '{}')
 RETURNS TABLE (workqueue_id bigint, ok boolean, status text, reason text)
 LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
     SELECT r.id,
@@ -197,6 +201,8 @@ LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
            CASE WHEN r.id = ANY (p_changed) THEN p_new ELSE w.status END,
            CASE WHEN r.id = ANY (p_changed) THEN NULL
                 WHEN w.workqueue_id IS NULL THEN 'no such message'
+                WHEN p_refused ? r.id::text
+                     THEN 'the database refused the change: ' || (p_refused ->> r.id::text)
                 WHEN w.status = ANY (p_from) AND w.fanout_id IS NOT NULL AND p_action = 'delete'
                      THEN format('is a child of fan-out group %s, which has not completed', w.fanout_id)
                 WHEN w.status = ANY (p_from) AND w.wait_fanout_id IS NOT NULL
@@ -230,6 +236,92 @@ LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
        AND EXISTS (SELECT 1 FROM fanout f WHERE f.fanout_id = p_fanout AND f.state = 'open')
 $$;
 
+-- queue_rows (internal) is an action's write to the rows p_ids, from the states its transition
+-- allows (the actions below say which): it returns the ids changed and, for cancel, the
+-- running ones as "id:claim" (running).
+CREATE OR REPLACE FUNCTION queue_rows(p_action text, p_ids bigint[], p_reset boolean,
+    OUT changed bigint[], OUT running text[])
+LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
+BEGIN
+    running := '{}';
+    CASE p_action
+    WHEN 'retry' THEN
+        WITH u AS (
+            UPDATE workqueue w SET status = 'pending', retry_at = NULL, status_at = now(),
+                                   attempts = CASE WHEN p_reset THEN 0 ELSE w.attempts END
+             WHERE w.workqueue_id = ANY (p_ids)
+               AND w.status IN ('failed', 'cancelled', 'paused', 'held')
+               AND NOT queue_group_open(w.wait_fanout_id)
+            RETURNING w.workqueue_id)
+        SELECT coalesce(array_agg(u.workqueue_id), '{}') INTO changed FROM u;
+    WHEN 'hold' THEN
+        WITH u AS (
+            UPDATE workqueue w SET status = 'held', retry_at = NULL, status_at = now()
+             WHERE w.workqueue_id = ANY (p_ids) AND w.status IN ('pending', 'paused')
+            RETURNING w.workqueue_id)
+        SELECT coalesce(array_agg(u.workqueue_id), '{}') INTO changed FROM u;
+    WHEN 'release' THEN
+        WITH u AS (
+            UPDATE workqueue w SET status = 'pending', status_at = now()
+             WHERE w.workqueue_id = ANY (p_ids) AND w.status = 'held'
+            RETURNING w.workqueue_id)
+        SELECT coalesce(array_agg(u.workqueue_id), '{}') INTO changed FROM u;
+    WHEN 'cancel' THEN
+        WITH u AS (
+            UPDATE workqueue w SET status = 'cancelled', retry_at = NULL, status_at = now(),
+                                   claimed_at = CASE WHEN w.status = 'running' THEN w.claimed_at END
+             WHERE w.workqueue_id = ANY (p_ids)
+               AND w.status IN ('pending', 'paused', 'held', 'waiting', 'running')
+            RETURNING w.workqueue_id, w.claim, w.claimed_at IS NOT NULL AS was_running)
+        SELECT coalesce(array_agg(u.workqueue_id), '{}'),
+               coalesce(array_agg(u.workqueue_id || ':' || u.claim) FILTER (WHERE u.was_running), '{}')
+          INTO changed, running FROM u;
+    WHEN 'delete' THEN
+        WITH u AS (
+            DELETE FROM workqueue w
+             WHERE w.workqueue_id = ANY (p_ids) AND w.status IN ('done', 'failed', 'cancelled')
+               AND NOT queue_group_open(w.fanout_id)
+            RETURNING w.workqueue_id)
+        SELECT coalesce(array_agg(u.workqueue_id), '{}') INTO changed FROM u;
+    END CASE;
+END $$;
+
+-- queue_apply (internal) runs an action's write (queue_rows) on p_ids in one statement, and
+-- when the database refuses it by itself (an integrity error, SQLSTATE class 23, or a raised
+-- exception, class P0: an application's trigger, CHECK constraint or foreign key that will
+-- not let one row change) once more one row at a time, each in a subtransaction of its own:
+-- the refused rows are left as they were and returned in refused (id -> what the database
+-- said), the others changed. Before, one such row refused its whole call: pepsi-queue's batch
+-- of 1,000 and every batch after it, the console's whole action (TestOperateActionRefusedRow).
+CREATE OR REPLACE FUNCTION queue_apply(p_action text, p_ids bigint[], p_reset boolean DEFAULT false,
+    OUT changed bigint[], OUT running text[], OUT refused jsonb)
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    r   record;
+    one bigint;
+    msg text;
+BEGIN
+    refused := '{}';
+    BEGIN
+        SELECT * INTO r FROM queue_rows(p_action, p_ids, p_reset);
+        changed := r.changed; running := r.running;
+        RETURN;
+    EXCEPTION WHEN integrity_constraint_violation OR plpgsql_error THEN
+        NULL; -- rolled back to the block's start: one row at a time below
+    END;
+    changed := '{}'; running := '{}';
+    FOR one IN SELECT DISTINCT x FROM unnest(p_ids) AS x ORDER BY x LOOP
+        BEGIN
+            SELECT * INTO r FROM queue_rows(p_action, ARRAY[one], p_reset);
+            changed := changed || r.changed;
+            running := running || r.running;
+        EXCEPTION WHEN integrity_constraint_violation OR plpgsql_error THEN
+            GET STACKED DIAGNOSTICS msg = MESSAGE_TEXT;
+            refused := refused || jsonb_build_object(one::text, msg);
+        END;
+    END LOOP;
+END $$;
+
 -- queue_retry: failed, cancelled, paused or held -> pending, attempts kept (p_reset: set to
 -- 0). A parent whose fan-out group has not completed is refused (it would run its
 -- continuation before its children finished).
@@ -238,20 +330,13 @@ CREATE OR REPLACE FUNCTION queue_retry(p_ids bigint[], p_reset boolean DEFAULT f
 RETURNS TABLE (workqueue_id bigint, ok boolean, status text, reason text)
 LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
-    changed bigint[];
+    a record;
 BEGIN
-    WITH u AS (
-        UPDATE workqueue w SET status = 'pending', retry_at = NULL, status_at = now(),
-                               attempts = CASE WHEN p_reset THEN 0 ELSE w.attempts END
-         WHERE w.workqueue_id = ANY (p_ids)
-           AND w.status IN ('failed', 'cancelled', 'paused', 'held')
-           AND NOT queue_group_open(w.wait_fanout_id)
-        RETURNING w.workqueue_id)
-    SELECT coalesce(array_agg(u.workqueue_id), '{}') INTO changed FROM u;
+    SELECT * INTO a FROM queue_apply('retry', p_ids, p_reset);
     PERFORM queue_log(CASE WHEN p_reset THEN 'retry --reset' ELSE 'retry' END,
-                      p_actor, p_filter, p_ids, changed);
-    RETURN QUERY SELECT * FROM queue_result('retry', p_ids, changed,
-                                            '{failed,cancelled,paused,held}', 'pending');
+                      p_actor, p_filter, p_ids, a.changed);
+    RETURN QUERY SELECT * FROM queue_result('retry', p_ids, a.changed,
+                                            '{failed,cancelled,paused,held}', 'pending', a.refused);
 END $$;
 
 -- queue_hold: pending or paused -> held; attempts and error kept.
@@ -260,15 +345,11 @@ CREATE OR REPLACE FUNCTION queue_hold(p_ids bigint[], p_actor text DEFAULT NULL,
 RETURNS TABLE (workqueue_id bigint, ok boolean, status text, reason text)
 LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
-    changed bigint[];
+    a record;
 BEGIN
-    WITH u AS (
-        UPDATE workqueue w SET status = 'held', retry_at = NULL, status_at = now()
-         WHERE w.workqueue_id = ANY (p_ids) AND w.status IN ('pending', 'paused')
-        RETURNING w.workqueue_id)
-    SELECT coalesce(array_agg(u.workqueue_id), '{}') INTO changed FROM u;
-    PERFORM queue_log('hold', p_actor, p_filter, p_ids, changed);
-    RETURN QUERY SELECT * FROM queue_result('hold', p_ids, changed, '{pending,paused}', 'held');
+    SELECT * INTO a FROM queue_apply('hold', p_ids);
+    PERFORM queue_log('hold', p_actor, p_filter, p_ids, a.changed);
+    RETURN QUERY SELECT * FROM queue_result('hold', p_ids, a.changed, '{pending,paused}', 'held', a.refused);
 END $$;
 
 -- queue_release: held -> pending (at once, whatever retry time the row had before).
@@ -277,15 +358,11 @@ CREATE OR REPLACE FUNCTION queue_release(p_ids bigint[], p_actor text DEFAULT NU
 RETURNS TABLE (workqueue_id bigint, ok boolean, status text, reason text)
 LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
-    changed bigint[];
+    a record;
 BEGIN
-    WITH u AS (
-        UPDATE workqueue w SET status = 'pending', status_at = now()
-         WHERE w.workqueue_id = ANY (p_ids) AND w.status = 'held'
-        RETURNING w.workqueue_id)
-    SELECT coalesce(array_agg(u.workqueue_id), '{}') INTO changed FROM u;
-    PERFORM queue_log('release', p_actor, p_filter, p_ids, changed);
-    RETURN QUERY SELECT * FROM queue_result('release', p_ids, changed, '{held}', 'pending');
+    SELECT * INTO a FROM queue_apply('release', p_ids);
+    PERFORM queue_log('release', p_actor, p_filter, p_ids, a.changed);
+    RETURN QUERY SELECT * FROM queue_result('release', p_ids, a.changed, '{held}', 'pending', a.refused);
 END $$;
 
 -- queue_cancel: pending, paused, held, waiting or running -> cancelled. The SET clause is
@@ -298,31 +375,22 @@ CREATE OR REPLACE FUNCTION queue_cancel(p_ids bigint[], p_actor text DEFAULT NUL
 RETURNS TABLE (workqueue_id bigint, ok boolean, status text, reason text)
 LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
-    changed bigint[];
-    running text[];
-    i       int;
+    a record;
+    i int;
 BEGIN
-    WITH u AS (
-        UPDATE workqueue w SET status = 'cancelled', retry_at = NULL, status_at = now(),
-                               claimed_at = CASE WHEN w.status = 'running' THEN w.claimed_at END
-         WHERE w.workqueue_id = ANY (p_ids)
-           AND w.status IN ('pending', 'paused', 'held', 'waiting', 'running')
-        RETURNING w.workqueue_id, w.claim, w.claimed_at IS NOT NULL AS was_running)
-    SELECT coalesce(array_agg(u.workqueue_id), '{}'),
-           coalesce(array_agg(u.workqueue_id || ':' || u.claim) FILTER (WHERE u.was_running), '{}')
-      INTO changed, running FROM u;
+    SELECT * INTO a FROM queue_apply('cancel', p_ids);
     -- The payload names the system by its table's oid (the dispatcher's lock key: NOTIFY
     -- channels are per database, not per schema) and each message by id:claim, so that the
     -- dispatcher stops the worker of that claim only. Under 8,000 bytes: 300 at a time.
-    FOR i IN 0 .. (cardinality(running) - 1) / 300 LOOP
-        EXIT WHEN cardinality(running) = 0;
+    FOR i IN 0 .. (cardinality(a.running) - 1) / 300 LOOP
+        EXIT WHEN cardinality(a.running) = 0;
         PERFORM pg_notify('workqueue_cancel',
                           'workqueue'::regclass::oid::bigint || ' '
-                          || array_to_string(running[i * 300 + 1 : i * 300 + 300], ' '));
+                          || array_to_string(a.running[i * 300 + 1 : i * 300 + 300], ' '));
     END LOOP;
-    PERFORM queue_log('cancel', p_actor, p_filter, p_ids, changed);
-    RETURN QUERY SELECT * FROM queue_result('cancel', p_ids, changed,
-                                            '{pending,paused,held,waiting,running}', 'cancelled');
+    PERFORM queue_log('cancel', p_actor, p_filter, p_ids, a.changed);
+    RETURN QUERY SELECT * FROM queue_result('cancel', p_ids, a.changed,
+                                            '{pending,paused,held,waiting,running}', 'cancelled', a.refused);
 END $$;
 
 -- queue_delete: done, failed or cancelled -> removed. A child of a fan-out group that has not
@@ -332,16 +400,11 @@ CREATE OR REPLACE FUNCTION queue_delete(p_ids bigint[], p_actor text DEFAULT NUL
 RETURNS TABLE (workqueue_id bigint, ok boolean, status text, reason text)
 LANGUAGE plpgsql SET search_path FROM CURRENT SET enable_seqscan = off SET jit = off AS $$
 DECLARE
-    changed bigint[];
+    a record;
 BEGIN
-    WITH u AS (
-        DELETE FROM workqueue w
-         WHERE w.workqueue_id = ANY (p_ids) AND w.status IN ('done', 'failed', 'cancelled')
-           AND NOT queue_group_open(w.fanout_id)
-        RETURNING w.workqueue_id)
-    SELECT coalesce(array_agg(u.workqueue_id), '{}') INTO changed FROM u;
-    PERFORM queue_log('delete', p_actor, p_filter, p_ids, changed);
-    RETURN QUERY SELECT * FROM queue_result('delete', p_ids, changed, '{done,failed,cancelled}', NULL);
+    SELECT * INTO a FROM queue_apply('delete', p_ids);
+    PERFORM queue_log('delete', p_actor, p_filter, p_ids, a.changed);
+    RETURN QUERY SELECT * FROM queue_result('delete', p_ids, a.changed, '{done,failed,cancelled}', NULL, a.refused);
 END $$;
 
 -- queue_pause / queue_resume: the config overlay row PAUSED = yes / no in [stage-NAME]; the

@@ -629,6 +629,87 @@ var queueTool = sync.OnceValues(func() (string, error) {
 	return out, nil
 })
 
+// TestOperateActionRefusedRow: for each of the five actions, one of three rows is one the
+// database refuses to change by itself: an application's trigger refuses any status change of
+// a message its payload marks "locked", and its audit table references the row to delete
+// (a foreign key without ON DELETE). The other two rows change; the refused one is left as it
+// was and reported refused, with what the database said; the operator log counts the two.
+// Before, the refusal failed the whole call: nothing changed, and pepsi-queue stopped at that
+// batch with an error, the console's action likewise.
+func TestOperateActionRefusedRow(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `CREATE FUNCTION app_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+	    BEGIN
+	        RAISE EXCEPTION 'message % is locked by the application', OLD.workqueue_id;
+	    END $$`)
+	s.exec(t, `CREATE TRIGGER app_refuse BEFORE UPDATE OF status ON workqueue FOR EACH ROW
+	    WHEN (OLD.payload ? 'locked') EXECUTE FUNCTION app_refuse()`)
+	s.exec(t, `CREATE TABLE app_audit (id bigint NOT NULL REFERENCES workqueue (workqueue_id))`)
+	for _, c := range []struct{ action, from, to, said string }{
+		{"retry", "failed", "pending", "is locked by the application"},
+		{"hold", "pending", "held", "is locked by the application"},
+		{"release", "held", "pending", "is locked by the application"},
+		{"cancel", "pending", "cancelled", "is locked by the application"},
+		{"delete", "done", "", "violates foreign key constraint"},
+	} {
+		var ids []int64
+		for i := range 3 {
+			payload := `{}`
+			if i == 1 && c.action != "delete" {
+				payload = `{"locked": true}`
+			}
+			var id int64
+			if err := s.DB.QueryRow(`INSERT INTO workqueue (stage, status, payload) VALUES ('a', $1, $2)
+			        RETURNING workqueue_id`, c.from, payload).Scan(&id); err != nil {
+				t.Fatal(err)
+			}
+			ids = append(ids, id)
+		}
+		if c.action == "delete" {
+			s.exec(t, `INSERT INTO app_audit VALUES ($1)`, ids[1])
+		}
+		rows, err := s.DB.Query(`SELECT workqueue_id, ok, coalesce(status, ''), coalesce(reason, '')
+		        FROM queue_`+c.action+`(p_ids => $1, p_actor => 'test')`, pq.Array(ids))
+		if err != nil {
+			t.Fatalf("queue_%s with one row the database refuses: %v", c.action, err)
+		}
+		got := map[int64]string{}
+		for rows.Next() {
+			var id int64
+			var ok bool
+			var st, reason string
+			if err := rows.Scan(&id, &ok, &st, &reason); err != nil {
+				t.Fatal(err)
+			}
+			if ok != (id != ids[1]) {
+				t.Errorf("%s: row %d ok = %v, want %v (reason %q)", c.action, id, ok, id != ids[1], reason)
+			}
+			got[id] = reason
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		rows.Close()
+		if r := got[ids[1]]; !strings.HasPrefix(r, "the database refused the change: ") || !strings.Contains(r, c.said) {
+			t.Errorf("%s: the refused row's reason is %q, want the database's refusal (%q)", c.action, r, c.said)
+		}
+		for i, id := range ids {
+			want := c.to
+			if i == 1 {
+				want = c.from
+			}
+			var st string
+			err := s.DB.QueryRow(`SELECT status FROM workqueue WHERE workqueue_id = $1`, id).Scan(&st)
+			if want == "" && err != sql.ErrNoRows || want != "" && (err != nil || st != want) {
+				t.Errorf("%s: row %d is %q (%v), want %q", c.action, id, st, err, want)
+			}
+		}
+		if n := s.count(t, `SELECT changed FROM operator_log ORDER BY id DESC LIMIT 1`); n != 2 {
+			t.Errorf("%s: the operator log says %d changed, want 2", c.action, n)
+		}
+	}
+}
+
 // TestBulkRetryBesideBacklog: 100,000 failed rows are retried with pepsi-queue while the
 // dispatcher drains a backlog at the same stage. The retry works in batches of 1,000, each its
 // own transaction, so the dispatcher never waits long for a lock (sampled from
