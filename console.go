@@ -227,14 +227,14 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 		views[name] = v
 		return v
 	}
-	var heldWrites, heldGroups int // the dispatcher's, waiting for rows another transaction holds
-	var refusedGroups int          // fan-in groups whose wake the database refuses by itself
+	var heldWrites, heldGroups int       // the dispatcher's, waiting for rows another transaction holds
+	var refusedWrites, refusedGroups int // writes and fan-in wakes the database refuses by itself
 	if s := c.snap(); s != nil {
 		for _, st := range s.stages {
 			v := get(st.name)
 			v.Workers, v.InFlight, v.Held, v.Paused = st.workers, st.inflight, st.held, st.paused
 		}
-		heldWrites, heldGroups, refusedGroups = s.held, s.faninHeld, s.faninRefused
+		heldWrites, heldGroups, refusedWrites, refusedGroups = s.held, s.faninHeld, s.refused, s.faninRefused
 	}
 	counts, counted, err := c.counts.get(ctx, c.pool())
 	if err != nil {
@@ -265,8 +265,9 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 		Counted       time.Duration // how old the counts are (console_counts.go)
 		HeldWrites    int           // pepsi_held_writes
 		HeldGroups    int           // pepsi_fanin_held_groups
+		RefusedWrites int           // pepsi_refused_writes
 		RefusedGroups int           // pepsi_fanin_refused_groups
-	}{out, consoleStatuses, consoleSampleEvery, time.Since(counted), heldWrites, heldGroups, refusedGroups}, nil
+	}{out, consoleStatuses, consoleSampleEvery, time.Since(counted), heldWrites, heldGroups, refusedWrites, refusedGroups}, nil
 }
 
 // pausedStages reads the PAUSED overlay rows (operate.md §3): a stage is paused when its

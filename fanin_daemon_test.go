@@ -514,7 +514,7 @@ func TestFaninDaemonWakeRefused(t *testing.T) {
 		v, ok := metric(t, addr, "pepsi_fanin_refused_groups")
 		return ok && v == 1
 	})
-	if page := consoleOverview(t, addr); !strings.Contains(page, "wake the parents of <b>1</b> fan-in group,") {
+	if page := consoleOverview(t, addr); !strings.Contains(page, "the wake of the parents of <b>1</b> fan-in group (they stay waiting)") {
 		t.Errorf("the console's overview does not show the refused group:\n%s", page)
 	}
 	// Each try is refused twice (the batch's statement, then the group's own): three tries.

@@ -349,7 +349,8 @@ func TestFailureWriteRefusedAlone(t *testing.T) {
 	poison := insertOne(t, s, "a", fmt.Sprintf(`{"reply_hex": "%x"}`, "1 poison"))
 	plain := insertOne(t, s, "a", fmt.Sprintf(`{"reply_hex": "%x"}`, "1 plain"))
 	insertOne(t, s, "a", `{}`)
-	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 8\nRETRY_DELAY = 60")+
+	addr := freePort(t)
+	d := startDaemon(t, baseConf(s, "METRICS_LISTEN = "+addr)+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 8\nRETRY_DELAY = 60")+
 		stageConf(t, "b", "", "PARALLELISM = 1"), "raw")
 	waitFor(t, 30*time.Second, "the plain failure recorded and the success done", func() bool {
 		return row(t, s, plain).status == "paused" && countStatus(t, s, "done") == 1
@@ -362,9 +363,25 @@ func TestFailureWriteRefusedAlone(t *testing.T) {
 	if r := row(t, s, poison); r.status != "running" || r.attempts != 0 {
 		t.Errorf("the refused failure's row: %+v, want still running, not charged", r)
 	}
+	// Counted apart from the writes another transaction holds: what to do is not the same.
+	waitFor(t, 5*time.Second, "pepsi_refused_writes 1 on /metrics", func() bool {
+		v, ok := metric(t, addr, "pepsi_refused_writes")
+		return ok && v == 1
+	})
+	if v, ok := metric(t, addr, "pepsi_held_writes"); !ok || v != 0 {
+		t.Errorf("pepsi_held_writes = %v (%v) while no row is held, want 0", v, ok)
+	}
+	if page := consoleOverview(t, addr); !strings.Contains(page, "<b>1</b> failure or reset write (their messages stay running)") ||
+		strings.Contains(page, `id="held"`) {
+		t.Errorf("the console's overview does not show the refused write apart from held ones:\n%s", page)
+	}
 	s.exec(t, `DROP TRIGGER app_refuse ON workqueue`)
 	waitFor(t, 10*time.Second, "the refused failure recorded once the trigger is gone", func() bool {
 		return row(t, s, poison).status == "paused"
+	})
+	waitFor(t, 5*time.Second, "pepsi_refused_writes back to 0 on /metrics", func() bool {
+		v, ok := metric(t, addr, "pepsi_refused_writes")
+		return ok && v == 0
 	})
 	if r := row(t, s, poison); r.attempts != 1 || r.reason != "stage a: status 1: poison" {
 		t.Errorf("the refused failure, recorded: %+v, want attempts 1 and its reason", r)

@@ -40,6 +40,7 @@ type metricsSnapshot struct {
 	config       []*StageConfig // the stage table as the coordinator runs it, sorted by name
 	claimMax     time.Duration
 	held         int // writes waiting for a row another transaction holds (outcome.go)
+	refused      int // writes the database refused by themselves, tried again (outcome.go)
 	faninHeld    int // fan-in groups the last flush passed over: another transaction holds a row (fanin.go)
 	faninRefused int // fan-in groups whose events the database refused to apply by themselves (fanin.go)
 }
@@ -64,6 +65,15 @@ type metricsServer struct {
 	console *console // the web console under /; nil for the lock service alone
 }
 
+// countHeld adds the held write of m to held, or to refused when the database refused it by
+// itself.
+func countHeld(m *message, held, refused int) (int, int) {
+	if m.writeRefused {
+		return held, refused + 1
+	}
+	return held + 1, refused
+}
+
 // publish is called by the coordinator with a fresh snapshot.
 func (m *metricsServer) publish(s *metricsSnapshot) { m.snap.Store(s) }
 
@@ -71,8 +81,15 @@ func (m *metricsServer) publish(s *metricsSnapshot) { m.snap.Store(s) }
 func (c *coordinator) snapshot() *metricsSnapshot {
 	s := &metricsSnapshot{at: time.Now(), started: c.started, epoch: c.inst.epoch,
 		global: c.stats.Global, fanin: c.stats.Fanin, workers: len(c.workers), inflight: c.inflightAll,
-		claimMax: c.claimMax, held: len(c.heldFailures) + len(c.heldResets), faninHeld: c.fanin.heldGroups,
-		faninRefused: len(c.fanin.refused)}
+		claimMax: c.claimMax, faninHeld: c.fanin.heldGroups, faninRefused: len(c.fanin.refused)}
+	// A held write the database refused by itself (noteRefused) waits with those another
+	// transaction holds, but what to do about it is not the same: counted apart.
+	for _, f := range c.heldFailures {
+		s.held, s.refused = countHeld(f.m, s.held, s.refused)
+	}
+	for _, m := range c.heldResets {
+		s.held, s.refused = countHeld(m, s.held, s.refused)
+	}
 	now := time.Now()
 	names := map[string]bool{}
 	for name := range c.pools {
@@ -202,6 +219,7 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 		p.sample("pepsi_claim_seconds_max", "gauge", "Longest claim statement since the start.", "",
 			fmt.Sprintf("%.6f", s.claimMax.Seconds()))
 		p.sample("pepsi_held_writes", "gauge", "Failure and reset writes waiting for a row another transaction holds.", "", s.held)
+		p.sample("pepsi_refused_writes", "gauge", "Failure and reset writes the database refused by themselves (an application's rule on the row), tried again every second.", "", s.refused)
 		p.sample("pepsi_fanin_held_groups", "gauge", "Fan-in groups the last flush passed over: another transaction holds a row they write.", "", s.faninHeld)
 		p.sample("pepsi_fanin_refused_groups", "gauge", "Fan-in groups whose completions the database refused to apply by themselves (an application's rule on a waiting parent).", "", s.faninRefused)
 		for _, st := range s.stages {
