@@ -175,13 +175,24 @@ func status(t testing.TB, s *testSchema, id int64) string {
 	return st
 }
 
-// waitIdleInTx waits until a session of the stage's workers is idle in a transaction (the
-// gated worker between its UPDATE and its COMMIT).
-func waitIdleInTx(t testing.TB, s *testSchema) {
+// waitIdleInTx waits until a session of this test's gated workers is idle in a transaction
+// after the UPDATE that holds the message's row (the worker between its UPDATE and its
+// COMMIT): update is a part of that statement's text, which tells the worker of one stage
+// from another's. Any worker's UPDATE, as this first was, let the moment between stage a's
+// advance and its commit (its gate already open) pass for stage b's final outcome: the
+// action then ran before b's worker held the row (CI on 36a765c: the cancel stopped b's
+// worker at the head instead of waiting for its commit). The application_name keeps it to
+// this test's system.
+func waitIdleInTx(t testing.TB, s *testSchema, update string) {
 	t.Helper()
-	waitFor(t, 30*time.Second, "the stage's transaction to be open", func() bool {
+	key, err := systemKey(context.Background(), s.DB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, "the stage's transaction to be open after "+update, func() bool {
 		return s.count(t, `SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction'
-		        AND application_name LIKE 'pepsi-worker%' AND query LIKE '%UPDATE workqueue%'`) > 0
+		        AND application_name LIKE $1 AND query LIKE $2`,
+			fmt.Sprintf("%s %d %%", appWorker, key), "%"+update+"%") > 0
 	})
 }
 
@@ -210,7 +221,7 @@ func TestRaceStageCommitsDuringCancel(t *testing.T) {
 			s.exec(t, `INSERT INTO gate VALUES ($1, 'a')`, id) // straight through a
 			waitFor(t, 30*time.Second, "the message at b", func() bool { return row(t, s, id).stage == "b" })
 		}
-		waitIdleInTx(t, s)
+		waitIdleInTx(t, s, map[bool]string{false: "UPDATE workqueue SET stage =", true: "UPDATE workqueue SET status = 'done'"}[final])
 		op, err := s.DB.Conn(context.Background())
 		if err != nil {
 			t.Fatal(err)
@@ -342,7 +353,7 @@ func TestCancelRunningBehindHead(t *testing.T) {
 	waitFor(t, 30*time.Second, "warm-up done", func() bool { return status(t, s, warm) == "done" })
 	head := insertOne(t, s, "a", `{}`)
 	behind := insertOne(t, s, "a", `{}`)
-	waitIdleInTx(t, s) // the head's transaction is open
+	waitIdleInTx(t, s, "UPDATE workqueue SET status = 'done'") // the head's transaction is open
 	// The second insert's claim may come after the head's transaction opened (CI saw it
 	// pending here once): wait until both are in the worker's queue.
 	waitFor(t, 30*time.Second, "the message behind the head claimed", func() bool { return status(t, s, behind) == "running" })
