@@ -379,10 +379,7 @@ func TestFailureWriteRefusedAlone(t *testing.T) {
 	waitFor(t, 10*time.Second, "the refused failure recorded once the trigger is gone", func() bool {
 		return row(t, s, poison).status == "paused"
 	})
-	waitFor(t, 5*time.Second, "pepsi_refused_writes back to 0 on /metrics", func() bool {
-		v, ok := metric(t, addr, "pepsi_refused_writes")
-		return ok && v == 0
-	})
+	waitShownGone(t, addr, "pepsi_refused_writes", "refused")
 	if r := row(t, s, poison); r.attempts != 1 || r.reason != "stage a: status 1: poison" {
 		t.Errorf("the refused failure, recorded: %+v, want attempts 1 and its reason", r)
 	}

@@ -539,6 +539,19 @@ func TestRetryWhileDispatcherFails(t *testing.T) {
 	}
 }
 
+// waitShownGone waits until the gauge reads 0 on /metrics, then requires the console's
+// overview to show no element with the id that told of it.
+func waitShownGone(t *testing.T, addr, gauge, id string) {
+	t.Helper()
+	waitFor(t, 5*time.Second, gauge+" back to 0 on /metrics", func() bool {
+		v, ok := metric(t, addr, gauge)
+		return ok && v == 0
+	})
+	if page := consoleOverview(t, addr); strings.Contains(page, `id="`+id+`"`) {
+		t.Errorf("the console's overview still shows #%s with %s at 0:\n%s", id, gauge, page)
+	}
+}
+
 // metric reads one sample of the daemon's /metrics.
 func metric(t testing.TB, addr, name string) (float64, bool) {
 	t.Helper()
