@@ -229,7 +229,7 @@ type faninFlushed struct {
 // children), never on the coordinator's.
 const flushSQL = `SELECT events, groups_fired, parents_woken, late_events, quarantined, held, open_ids, open_remaining,
                          refused_ids, refused_events, refused_reason
-                    FROM fanin_flush($1, $2, $3)`
+                    FROM fanin_flush($1, $2, $3, $4)`
 
 // startFlush runs a flush in the background, on a connection of the pool, and returns at
 // once: the coordinator goes on claiming and reading replies while PostgreSQL applies the
@@ -245,37 +245,49 @@ func (c *coordinator) startFlush() {
 	f.inbox = false
 	clear(f.hinted)
 	lockFirst := f.heldGroups > 0
-	pass := f.passRefused(f.lastFlush)
-	c.inBackground(func() event { return f.runFlush(c.ctx, c.db, lockFirst, pass) })
+	retry, pass := f.refusedDue(f.lastFlush)
+	c.inBackground(func() event { return f.runFlush(c.ctx, c.db, lockFirst, retry, pass) })
 }
 
-// passRefused returns the groups the database refused to apply less than heldRetryGap before
-// now, for the flush to leave in the inbox: each is tried again once a second, not at every
-// flush (a try re-applies its batch one group at a time, fanin_flush says why).
-func (f *fanin) passRefused(now time.Time) []int64 {
-	var pass []int64
+// refusedDue splits the groups the database refused to apply into those to try again now
+// (refused at least heldRetryGap before now) and those the flush leaves in the inbox: each is
+// tried once a second, not at every flush, and in a statement of its own (fanin_flush says
+// why).
+func (f *fanin) refusedDue(now time.Time) (retry, pass []int64) {
 	for g, at := range f.refused {
 		if now.Before(at) {
 			pass = append(pass, g)
+		} else {
+			retry = append(retry, g)
 		}
 	}
-	return pass
+	return retry, pass
 }
 
 // runFlush applies the inbox until it is empty (or a batch comes back short), leaving the
 // events of the groups in pass where they are, and those of each group a statement of it
-// refused for the statements after. It reads only
+// refused for the statements after; the groups in retry, refused before, first, in a
+// statement of their own. It reads only
 // the settings fixed when f was made (batch, the fail hook), so it may run on the flush goroutine
 // while the coordinator changes the rest of f. lockFirst (the last flush passed groups over)
 // has the first statement lock its rows before applying them, and so each statement after
 // one that passed groups over: a group held for long would otherwise cost every flush the
 // 100 ms fanin_flush waits for a row before passing it over.
-func (f *fanin) runFlush(ctx context.Context, db *sql.DB, lockFirst bool, pass []int64) faninFlushed {
+func (f *fanin) runFlush(ctx context.Context, db *sql.DB, lockFirst bool, retry, pass []int64) faninFlushed {
 	start := time.Now()
 	var ev faninFlushed
+	if len(retry) > 0 {
+		var r flushResult
+		if ev.err = f.flushOnce(ctx, db, lockFirst, pass, retry, &r); ev.err != nil {
+			ev.took = time.Since(start)
+			return ev
+		}
+		ev.results = append(ev.results, r)
+		pass = append(pass, retry...) // tried: applied, or refused again
+	}
 	for {
 		var r flushResult
-		if ev.err = f.flushOnce(ctx, db, lockFirst, pass, &r); ev.err != nil {
+		if ev.err = f.flushOnce(ctx, db, lockFirst, pass, nil, &r); ev.err != nil {
 			break
 		}
 		ev.results = append(ev.results, r)
@@ -410,7 +422,7 @@ func (c *coordinator) onHeldGroups(held int) {
 
 // flushOnce runs one fanin_flush statement on a connection of db (see runFlush: fixed
 // settings and the fail hook only).
-func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, lockFirst bool, pass []int64, r *flushResult) error {
+func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, lockFirst bool, pass, only []int64, r *flushResult) error {
 	ctx, cancel := context.WithTimeout(ctx, dbStatementBudget)
 	defer cancel()
 	tx, err := db.BeginTx(ctx, nil)
@@ -418,7 +430,11 @@ func (f *fanin) flushOnce(ctx context.Context, db *sql.DB, lockFirst bool, pass 
 		return fmt.Errorf("fan-in flush: begin: %w", err)
 	}
 	defer tx.Rollback() // a no-op after Commit; the error of a rollback after a failure adds nothing
-	if err := tx.QueryRowContext(ctx, flushSQL, f.batch, lockFirst, idList(pass)).Scan(&r.events, &r.groupsFired,
+	var onlyList any    // NULL: every group but those passed
+	if only != nil {
+		onlyList = pq.Array(only)
+	}
+	if err := tx.QueryRowContext(ctx, flushSQL, f.batch, lockFirst, idList(pass), onlyList).Scan(&r.events, &r.groupsFired,
 		&r.woken, &r.late, &r.quarantined, &r.held, pq.Array(&r.openIDs), pq.Array(&r.openRemaining),
 		pq.Array(&r.refusedIDs), &r.refusedEvents, &r.refusedReason); err != nil {
 		return fmt.Errorf("fan-in flush: %w", err)

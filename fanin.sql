@@ -720,7 +720,9 @@ $$;
 --                   the first refusal's message
 -- p_pass: groups whose events this flush leaves in the inbox, unread (the dispatcher passes the
 -- groups refused less than a second ago, and each statement of a flush those the ones before
--- it refused).
+-- it refused). p_only: the flush reads the events of these groups alone (the dispatcher tries
+-- the refused groups again so, each second, in a statement before the others: in the others'
+-- batch, a refusal would have the whole batch re-applied one group at a time).
 -- Held rows: a flush that waited for a held row held every other group's evidence behind it,
 -- so one transaction left open on one waiting parent stopped all wakes
 -- (TestFaninFlushPassesHeldGroups). So the batch is applied with lock_timeout (the function's
@@ -748,14 +750,16 @@ $$;
 -- (TestFaninFlushRefusedGroup). Such a batch is re-applied one group at a time as a tripped
 -- one is; a refused group keeps its events in the inbox, unapplied, and is returned in
 -- refused_ids for the dispatcher to pass over (p_pass) and try again a second later.
--- The result gained held, then the function p_lock_first, then refused_ids and p_pass: the
--- earlier versions are dropped first (a dispatcher of one names the columns it reads and
--- passes the batch alone, or the batch and p_lock_first, so it goes on working over this one).
+-- The result gained held, then the function p_lock_first, then refused_ids, p_pass and
+-- p_only: the earlier versions are dropped first (a dispatcher of one names the columns it
+-- reads and passes the batch alone, or the batch and p_lock_first, so it goes on working over
+-- this one).
 DROP FUNCTION IF EXISTS fanin_flush(int);
 DROP FUNCTION IF EXISTS fanin_flush(int, boolean);
 DROP FUNCTION IF EXISTS fanin_flush(int, boolean, bigint[]);
+DROP FUNCTION IF EXISTS fanin_flush(int, boolean, bigint[], bigint[]);
 CREATE FUNCTION fanin_flush(p_batch int DEFAULT 10000, p_lock_first boolean DEFAULT false,
-    p_pass bigint[] DEFAULT '{}',
+    p_pass bigint[] DEFAULT '{}', p_only bigint[] DEFAULT NULL,
     OUT events int, OUT groups_updated int, OUT groups_fired int, OUT parents_woken int,
     OUT late_events int, OUT quarantined int, OUT woken bigint[], OUT open_ids bigint[],
     OUT open_remaining int[], OUT quarantined_ids bigint[], OUT held int,
@@ -781,7 +785,10 @@ BEGIN
     events := 0; groups_updated := 0; groups_fired := 0; parents_woken := 0;
     late_events := 0; woken := '{}'; open_ids := '{}'; open_remaining := '{}';
     p_pass := coalesce(p_pass, '{}');
-    IF cardinality(p_pass) = 0 THEN
+    IF p_only IS NOT NULL THEN
+        batch := ARRAY(SELECT id FROM fanin_event WHERE fanout_id = ANY (p_only)
+                        AND NOT fanout_id = ANY (p_pass) ORDER BY id LIMIT p_batch);
+    ELSIF cardinality(p_pass) = 0 THEN
         batch := ARRAY(SELECT id FROM fanin_event ORDER BY id LIMIT p_batch);
     ELSE
         batch := ARRAY(SELECT id FROM fanin_event WHERE NOT fanout_id = ANY (p_pass)
@@ -804,6 +811,7 @@ BEGIN
         passed := fanin_pass_held(batch);
         IF cardinality(passed) > 0 THEN
             batch := ARRAY(SELECT id FROM fanin_event WHERE NOT fanout_id = ANY (passed || p_pass)
+                              AND (p_only IS NULL OR fanout_id = ANY (p_only))
                             ORDER BY id LIMIT p_batch);
             more := fanin_pass_held(batch);
             IF cardinality(more) > 0 THEN

@@ -460,7 +460,7 @@ func TestFaninDaemonFlushFails(t *testing.T) {
 	s := faninSetup(t)
 	d := faninStart(t, faninConf(t, s, "", "PARALLELISM = 2\nQUEUE_LIMIT = 8"), "fanin")
 	faninWarmUp(t, s)
-	s.exec(t, `ALTER FUNCTION fanin_flush(int, boolean, bigint[]) RENAME TO fanin_flush_away`)
+	s.exec(t, `ALTER FUNCTION fanin_flush(int, boolean, bigint[], bigint[]) RENAME TO fanin_flush_away`)
 	ids := faninParents(t, s, `{"n": 3}`)
 	waitFor(t, 30*time.Second, "the three children done", func() bool {
 		return s.count(t, `SELECT count(*) FROM workqueue w JOIN fanout f USING (fanout_id)
@@ -478,7 +478,7 @@ func TestFaninDaemonFlushFails(t *testing.T) {
 	if n := s.count(t, `SELECT count(*) FROM fanin_event`); n == 0 {
 		t.Fatal("the inbox is empty while the flush fails")
 	}
-	s.exec(t, `ALTER FUNCTION fanin_flush_away(int, boolean, bigint[]) RENAME TO fanin_flush`)
+	s.exec(t, `ALTER FUNCTION fanin_flush_away(int, boolean, bigint[], bigint[]) RENAME TO fanin_flush`)
 	faninWaitJoined(t, s, ids, 30*time.Second)
 	d.waitLog("fan-in flush works again", 30*time.Second)
 	faninExpectJoin(t, s, ids[0], 3, 0)
@@ -517,7 +517,7 @@ func TestFaninDaemonWakeRefused(t *testing.T) {
 	if page := consoleOverview(t, addr); !strings.Contains(page, "the wake of the parents of <b>1</b> fan-in group (they stay waiting)") {
 		t.Errorf("the console's overview does not show the refused group:\n%s", page)
 	}
-	// Each try is refused twice (the batch's statement, then the group's own): three tries.
+	// Each try is refused twice (its statement's batch, then the group alone): two tries more.
 	first := refusals()
 	waitFor(t, 10*time.Second, "the refused group tried again", func() bool { return refusals() >= first+4 })
 	if n := strings.Count(d.log.String(), said); n != 1 {
@@ -890,7 +890,7 @@ func TestFaninFailpointShape(t *testing.T) {
 		}
 		s.exec(t, `DELETE FROM fanin_wake_log`)
 		parent := complete(3)
-		ev := f.runFlush(ctx, s.DB, false, nil)
+		ev := f.runFlush(ctx, s.DB, false, nil, nil)
 		if ev.err != nil || len(ev.results) != 1 || ev.results[0].woken != 1 {
 			t.Fatalf("hooked=%v: flush %+v, want one statement waking one parent", hooked, ev)
 		}
@@ -898,7 +898,7 @@ func TestFaninFailpointShape(t *testing.T) {
 			t.Errorf("hooked=%v: after the flush the parent is %s with %d inbox rows, want pending and 0", hooked, st, inbox())
 		}
 		orphan := lost()
-		f.runFlush(ctx, s.DB, false, nil)
+		f.runFlush(ctx, s.DB, false, nil, nil)
 		r, err := f.sweepOnce(ctx, s.DB, 0, 500, 0)
 		if err != nil || r.repaired != 1 || r.woken != 1 {
 			t.Fatalf("hooked=%v: sweep %+v, %v: want one group repaired and its parent woken", hooked, r, err)

@@ -69,21 +69,25 @@ func faninFlush(ctx context.Context, q faninQuerier, batch int) (faninFlushResul
 
 // faninFlushMode runs one fanin_flush(batch, lockFirst).
 func faninFlushMode(ctx context.Context, q faninQuerier, batch int, lockFirst bool) (faninFlushResult, error) {
-	return faninFlushPass(ctx, q, batch, lockFirst, nil)
+	return faninFlushPass(ctx, q, batch, lockFirst, nil, nil)
 }
 
-// faninFlushPass runs one fanin_flush(batch, lockFirst, pass).
-func faninFlushPass(ctx context.Context, q faninQuerier, batch int, lockFirst bool, pass []int64) (faninFlushResult, error) {
+// faninFlushPass runs one fanin_flush(batch, lockFirst, pass, only); a nil only is NULL.
+func faninFlushPass(ctx context.Context, q faninQuerier, batch int, lockFirst bool, pass, only []int64) (faninFlushResult, error) {
 	var r faninFlushResult
+	var onlyList any
+	if only != nil {
+		onlyList = pq.Array(only)
+	}
 	err := q.QueryRowContext(ctx, `SELECT events, groups_updated, groups_fired, parents_woken,
 	        late_events, quarantined, woken, open_ids, open_remaining, quarantined_ids, held,
 	        refused_ids, refused_events, refused_reason
-	   FROM fanin_flush($1, $2, $3)`, batch, lockFirst, idList(pass)).Scan(&r.Events, &r.GroupsUpdated,
+	   FROM fanin_flush($1, $2, $3, $4)`, batch, lockFirst, idList(pass), onlyList).Scan(&r.Events, &r.GroupsUpdated,
 		&r.GroupsFired, &r.ParentsWoken, &r.LateEvents, &r.Quarantined, pq.Array(&r.Woken),
 		pq.Array(&r.OpenIDs), pq.Array(&r.OpenRemaining), pq.Array(&r.QuarantinedIDs), &r.Held,
 		pq.Array(&r.RefusedIDs), &r.RefusedEvents, &r.RefusedReason)
 	if err != nil {
-		return r, fmt.Errorf("fanin_flush(%d, %t, %v): %w", batch, lockFirst, pass, err)
+		return r, fmt.Errorf("fanin_flush(%d, %t, %v, %v): %w", batch, lockFirst, pass, only, err)
 	}
 	return r, nil
 }
@@ -1745,16 +1749,17 @@ func TestFaninFlushRefusedGroup(t *testing.T) {
 		fmt.Sprintf(`OLD.workqueue_id = %d AND NEW.status = 'pending'`, parentB))
 	s.exec(t, fmt.Sprintf(`ALTER TABLE workqueue ADD CONSTRAINT app_no_wake
 	    CHECK (workqueue_id <> %d OR status <> 'pending') NOT VALID`, parentD))
-	flush := func(batch int, pass ...int64) faninFlushResult {
+	flushOnly := func(batch int, pass, only []int64) faninFlushResult {
 		t.Helper()
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		r, err := faninFlushPass(ctx, s.DB, batch, false, pass)
+		r, err := faninFlushPass(ctx, s.DB, batch, false, pass, only)
 		if err != nil {
 			t.Fatalf("a flush with B's and D's wakes refused: %v", err)
 		}
 		return r
 	}
+	flush := func(batch int, pass ...int64) faninFlushResult { return flushOnly(batch, pass, nil) }
 	inboxOf := func(fid int64) int {
 		return s.count(t, `SELECT count(*) FROM fanin_event WHERE fanout_id = $1`, fid)
 	}
@@ -1786,13 +1791,21 @@ func TestFaninFlushRefusedGroup(t *testing.T) {
 	if r := flush(100, fidB, fidD); r.Events != 0 || len(r.RefusedIDs) != 0 || r.RefusedEvents != 0 {
 		t.Fatalf("a flush passing B and D over: %+v; want nothing read", r)
 	}
+	// Tried again alone, as the dispatcher does each second: only B's events are read, and a
+	// group F behind them is left to the flushes that pass B over.
+	_, fidF, kidsF := faninClaimedGroup(t, s, 1)
+	faninFinish(t, s, kidsF, "done")
+	if r := flushOnly(100, nil, []int64{fidB}); r.Events != 0 || !slices.Equal(r.RefusedIDs, []int64{fidB}) ||
+		r.RefusedEvents != 2 || inboxOf(fidF) != 1 {
+		t.Fatalf("a flush of B alone: %+v, F's inbox rows %d; want B refused again with its 2 events, F untouched", r, inboxOf(fidF))
+	}
 
 	// The dispatcher's flush with a batch of 2: B's two events fill the first, D's three the
 	// second and part of the third; it goes on past them, passing each group over once refused.
 	parentE, _, kidsE := faninClaimedGroup(t, s, 1)
 	faninFinish(t, s, kidsE, "done")
 	cfg := DispatchConfig{FaninBatch: 2, FaninMaxDelay: faninMaxDelayDefault, FaninMinHints: faninMinHintsDefault}
-	ev := newFanin(cfg, &faninCounters{}).runFlush(context.Background(), s.DB, false, nil)
+	ev := newFanin(cfg, &faninCounters{}).runFlush(context.Background(), s.DB, false, nil, nil)
 	var refused []int64
 	for _, r := range ev.results {
 		refused = append(refused, r.refusedIDs...)
@@ -1819,7 +1832,7 @@ func TestFaninFlushRefusedGroup(t *testing.T) {
 	if r := flush(100); r.Events != 0 {
 		t.Fatalf("a re-flush did something: %+v", r)
 	}
-	faninExpectFired(t, s, 5)
+	faninExpectFired(t, s, 6)
 }
 
 // TestFaninFlushLockFirst: fanin_flush(batch, true), what the dispatcher asks for while its last
