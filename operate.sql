@@ -289,37 +289,53 @@ END $$;
 -- queue_apply (internal) runs an action's write (queue_rows) on p_ids in one statement, and
 -- when the database refuses it by itself (an integrity error, SQLSTATE class 23, or a raised
 -- exception, class P0: an application's trigger, CHECK constraint or foreign key that will
--- not let one row change) once more one row at a time, each in a subtransaction of its own:
+-- not let one row change) on each half of the ids again, down to single rows (queue_halves):
 -- the refused rows are left as they were and returned in refused (id -> what the database
 -- said), the others changed. Before, one such row refused its whole call: pepsi-queue's batch
 -- of 1,000 and every batch after it, the console's whole action (TestOperateActionRefusedRow).
 CREATE OR REPLACE FUNCTION queue_apply(p_action text, p_ids bigint[], p_reset boolean DEFAULT false,
     OUT changed bigint[], OUT running text[], OUT refused jsonb)
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
-DECLARE
-    r   record;
-    one bigint;
-    msg text;
 BEGIN
-    refused := '{}';
+    SELECT * INTO changed, running, refused
+      FROM queue_halves(p_action, ARRAY(SELECT DISTINCT x FROM unnest(p_ids) AS x ORDER BY x),
+                        p_reset, '{}', '{}', '{}');
+END $$;
+
+-- queue_halves (internal) runs queue_rows on p_ids in a subtransaction and, when the database
+-- refuses it by itself, on each half of p_ids, down to one row, whose refusal it adds to
+-- refused; what changes it adds to changed and running. Halving opens about 2 log2(n)
+-- subtransactions per refused row where one per row would open n: past 64, a backend's
+-- subtransactions overflow its cache, and every other session's snapshots are slower until it
+-- commits (the Go SDK bounds its own, stage/batch.go's maxSubxids, for the same reason).
+CREATE OR REPLACE FUNCTION queue_halves(p_action text, p_ids bigint[], p_reset boolean,
+    INOUT changed bigint[], INOUT running text[], INOUT refused jsonb)
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    r    record;
+    msg  text;
+    half int;
+BEGIN
+    IF cardinality(p_ids) = 0 THEN
+        RETURN;
+    END IF;
     BEGIN
         SELECT * INTO r FROM queue_rows(p_action, p_ids, p_reset);
-        changed := r.changed; running := r.running;
+        changed := changed || r.changed;
+        running := running || r.running;
         RETURN;
     EXCEPTION WHEN integrity_constraint_violation OR plpgsql_error THEN
-        NULL; -- rolled back to the block's start: one row at a time below
+        GET STACKED DIAGNOSTICS msg = MESSAGE_TEXT; -- rolled back to the block's start
     END;
-    changed := '{}'; running := '{}';
-    FOR one IN SELECT DISTINCT x FROM unnest(p_ids) AS x ORDER BY x LOOP
-        BEGIN
-            SELECT * INTO r FROM queue_rows(p_action, ARRAY[one], p_reset);
-            changed := changed || r.changed;
-            running := running || r.running;
-        EXCEPTION WHEN integrity_constraint_violation OR plpgsql_error THEN
-            GET STACKED DIAGNOSTICS msg = MESSAGE_TEXT;
-            refused := refused || jsonb_build_object(one::text, msg);
-        END;
-    END LOOP;
+    IF cardinality(p_ids) = 1 THEN
+        refused := refused || jsonb_build_object(p_ids[1]::text, msg);
+        RETURN;
+    END IF;
+    half := cardinality(p_ids) / 2;
+    SELECT * INTO changed, running, refused
+      FROM queue_halves(p_action, p_ids[1:half], p_reset, changed, running, refused);
+    SELECT * INTO changed, running, refused
+      FROM queue_halves(p_action, p_ids[half + 1:], p_reset, changed, running, refused);
 END $$;
 
 -- queue_retry: failed, cancelled, paused or held -> pending, attempts kept (p_reset: set to

@@ -732,6 +732,28 @@ func TestOperateActionRefusedRow(t *testing.T) {
 			t.Errorf("%s: the operator log says %d changed, want 2", c.action, n)
 		}
 	}
+
+	// A batch as pepsi-queue sends it: 1,000 rows, three of them refused (found by halving).
+	var ids []int64
+	if err := s.DB.QueryRow(`WITH i AS (INSERT INTO workqueue (stage, status, payload)
+	        SELECT 'a', 'failed', CASE WHEN n IN (1, 500, 1000) THEN '{"locked": true}' ELSE '{}' END::jsonb
+	          FROM generate_series(1, 1000) AS n RETURNING workqueue_id)
+	    SELECT array_agg(workqueue_id ORDER BY workqueue_id) FROM i`).Scan(pq.Array(&ids)); err != nil {
+		t.Fatal(err)
+	}
+	var ok, refused int
+	if err := s.DB.QueryRow(`SELECT count(*) FILTER (WHERE ok),
+	        count(*) FILTER (WHERE NOT ok AND reason LIKE 'the database refused the change: %')
+	   FROM queue_retry(p_ids => $1)`, pq.Array(ids)).Scan(&ok, &refused); err != nil {
+		t.Fatalf("queue_retry of 1,000 rows, three refused: %v", err)
+	}
+	if ok != 997 || refused != 3 {
+		t.Errorf("queue_retry of 1,000 rows, three refused: %d ok, %d refused by the database; want 997 and 3", ok, refused)
+	}
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = ANY ($1) AND status = 'failed'
+	        AND payload ? 'locked'`, pq.Array(ids)); n != 3 {
+		t.Errorf("%d of the three refused rows still failed, want 3", n)
+	}
 }
 
 // TestBulkRetryBesideBacklog: 100,000 failed rows are retried with pepsi-queue while the
