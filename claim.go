@@ -609,7 +609,7 @@ func (c *coordinator) claim() {
 	if c.keys.unpark && !now.Before(c.keys.unparkAt) {
 		n, left, err := c.claimer.unpark(ctx, c.inst.conn, c.keys.limit)
 		switch {
-		case err != nil && (isOutage(err) || c.ctx.Err() != nil || c.pingLock() != nil):
+		case err != nil && !c.refusedByDatabase(err):
 			cancel()
 			c.claimWanted = true
 			c.dbTrouble("unpark", err)
@@ -701,7 +701,7 @@ func (c *coordinator) takeClaim(res claimResult, want map[string]int) {
 // claimed now. It returns false when the refusal is not for it to handle: a lost connection,
 // the daemon stopping.
 func (c *coordinator) claimStagesAlone(now time.Time, err error) bool {
-	if isOutage(err) || c.ctx.Err() != nil || c.inst.conn == nil || c.pingLock() != nil {
+	if !c.refusedByDatabase(err) {
 		return false
 	}
 	names := slices.Sorted(maps.Keys(c.want))

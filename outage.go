@@ -35,6 +35,15 @@ func (c *coordinator) dbTrouble(what string, err error) {
 	c.timers.schedule(timerKey{kind: timerDB}, time.Now().Add(d))
 }
 
+// refusedByDatabase reports whether err, a statement's on the lock connection, is the database
+// refusing what the statement did while the connection still answers (not an outage, not the
+// daemon stopping): a refusal that may be one row's or one stage's, which the caller redoes
+// row by row or stage by stage (the claim, the unpark, the flip). retry.go's refusedAlive is
+// the same test for the functions that take a connection and a context, not the coordinator.
+func (c *coordinator) refusedByDatabase(err error) bool {
+	return err != nil && !isOutage(err) && c.ctx.Err() == nil && c.inst.conn != nil && c.pingLock() == nil
+}
+
 // pingLock checks the lock connection, without letting a hung server hold the loop.
 func (c *coordinator) pingLock() error {
 	ctx, cancel := context.WithTimeout(c.ctx, 5*time.Second)

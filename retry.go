@@ -387,7 +387,7 @@ func (c *coordinator) flip() (n int64, next time.Time, err error) {
 	n, next, err = flipDue(ctx, c.inst.conn, skip)
 	var refused map[int64]error
 	switch {
-	case err != nil && (isOutage(err) || c.ctx.Err() != nil || c.pingLock() != nil):
+	case err != nil && !c.refusedByDatabase(err):
 		return 0, time.Time{}, err
 	case err != nil:
 		n, refused, err = flipRows(ctx, c.inst.conn, nil, skip, now.Add(refusedSplitBudget))
