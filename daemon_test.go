@@ -225,6 +225,9 @@ type behaviour struct {
 	DeferMs     int    `json:"defer_ms"`  //
 	Branch      string `json:"branch"`    // advance to this NEXT stage instead of the first
 	DoneAtMe    string `json:"done_here"` // finish at this stage even if it has a NEXT
+	// NoRun: record no run, leaving m.Tx alone, so that the outcome is kept and written by
+	// the batch's one outcome statement after the transaction (stage/batch.go).
+	NoRun bool `json:"no_run"`
 }
 
 // pipelineWorker is the SDK stage used by most tests: it records the run, then advances to
@@ -268,9 +271,11 @@ func pipelineWorker() int {
 				return fmt.Errorf("asked to fail at %s (attempt %d)", m.Stage, m.Attempts+1)
 			}
 		}
-		if _, err := m.Tx.ExecContext(ctx, `INSERT INTO runs (id, stage, pid, uid) VALUES ($1, $2, $3, $4)`,
-			m.ID, m.Stage, os.Getpid(), os.Getuid()); err != nil {
-			return fmt.Errorf("record run: %w", err)
+		if !b.NoRun {
+			if _, err := m.Tx.ExecContext(ctx, `INSERT INTO runs (id, stage, pid, uid) VALUES ($1, $2, $3, $4)`,
+				m.ID, m.Stage, os.Getpid(), os.Getuid()); err != nil {
+				return fmt.Errorf("record run: %w", err)
+			}
 		}
 		if b.DeferAt == m.Stage && m.State["deferred"] == nil {
 			m.State["deferred"] = true

@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -97,7 +98,22 @@ func (s *server) runBatch(ctx context.Context, lines []string) (out []byte, rest
 	if len(ids) == 0 {
 		return formatReplies(replies), nil, nil
 	}
-	ran, err := s.runTx(ctx, replies, ids)
+	// A batch whose transaction ends in a serialization failure or a deadlock committed
+	// nothing, and runs again from the start (transient.go): its handlers once more, each
+	// message's reply as it was before the first try.
+	before := slices.Clone(replies)
+	var ran int
+	for try := 1; ; try++ {
+		ran, err = s.runTx(ctx, replies, ids)
+		if err == nil || !isTransient(err) || try == transientTries || s.sess.lost() || !againAfter(ctx, try+1) {
+			break
+		}
+		if s.transientBatches++; s.transientBatches == 1 || s.transientBatches%1000 == 0 {
+			s.log.Warn("batch ended in a serialization failure or a deadlock before it committed; running it again",
+				"batches_run_again", s.transientBatches, "error", err)
+		}
+		copy(replies, before)
+	}
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, nil, fmt.Errorf("run batch of %d ids: %w", len(ids), ctx.Err())

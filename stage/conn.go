@@ -154,7 +154,7 @@ func (s *session) savepointPrefixLocked() string {
 	}
 	var b strings.Builder
 	if s.tx == txLazy {
-		b.WriteString("BEGIN; ")
+		b.WriteString("BEGIN ISOLATION LEVEL READ COMMITTED; ")
 		s.tx = txBegun
 	}
 	if !l.nested {

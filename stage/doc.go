@@ -141,7 +141,8 @@
 //	SELECT workqueue_id, attempts, payload, state FROM workqueue
 //	 WHERE workqueue_id = ANY($ids) AND status = 'running' AND stage = $stage
 //	for each id, in order: the handler, its own statements inside a SAVEPOINT of its own
-//	  (the first SAVEPOINT of the batch is sent as BEGIN; SAVEPOINT …),
+//	  (the first SAVEPOINT of the batch is sent as BEGIN ISOLATION LEVEL READ COMMITTED;
+//	  SAVEPOINT …),
 //	  then the handlers of the fused stages its advance leads to, each in a lazy SAVEPOINT
 //	  of its own (nested in the message's savepoints opened before it)
 //	COMMIT, if BEGIN was sent
@@ -154,6 +155,13 @@
 // COMMITTED each statement reads its own snapshot in a transaction too; the load locks nothing).
 // The outcomes not written yet are those of handlers that sent no statement: they have nothing
 // to commit with, and run after the COMMIT, outside the transaction.
+//
+// The transaction is READ COMMITTED whatever the database's default_transaction_isolation, as
+// the dispatcher's sessions are: at SERIALIZABLE, a batch of many messages takes a predicate
+// lock on the whole queue table and concurrent workers' batches fail each other. A handler's
+// statements share it. The load and the outcome statement run at the session's level; a batch
+// or an outcome statement that ends in a serialization failure or a deadlock before anything
+// of it committed runs again, up to 8 times in all (transient.go).
 //
 // A batch stops taking messages (the ids left over start the next batch) when the next
 // message could take the transaction past 64 savepoints, the subtransactions PostgreSQL caches

@@ -192,7 +192,12 @@ func (s *server) writeOutcomes(ctx context.Context, kept []keptOutcome, replies 
 		retryAts[i] = sql.NullString{String: c.retryAt, Valid: c.retryAt != ""}
 		states[i] = sql.NullString{String: string(k.m.kept.state), Valid: !k.m.kept.same}
 	}
-	written, err := queryIDs(ctx, s.db, outcomeStatement(ids, stages, statuses, retryAts, states, s.cfg.Stage))
+	q := outcomeStatement(ids, stages, statuses, retryAts, states, s.cfg.Stage)
+	var written map[int64]bool
+	err := againIfTransient(ctx, func() (err error) {
+		written, err = queryIDs(ctx, s.db, q)
+		return err
+	})
 	if err != nil {
 		if s.sess.lost() || ctx.Err() != nil {
 			return err
@@ -219,7 +224,9 @@ func (s *server) writeOutcomes(ctx context.Context, kept []keptOutcome, replies 
 // is lost or ctx is done.
 func (s *server) writeOutcome(ctx context.Context, k keptOutcome, r *reply) error {
 	for m := k.m; ; m = m.link.prev {
-		err := m.update(ctx, s.db, m.kept.change, m.kept.state, s.cfg.Stage)
+		err := againIfTransient(ctx, func() error {
+			return m.update(ctx, s.db, m.kept.change, m.kept.state, s.cfg.Stage)
+		})
 		if err == nil {
 			r.fallBackTo(m)
 			return nil

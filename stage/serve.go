@@ -270,7 +270,8 @@ type server struct {
 	// batchTime is maxBatchTime, or a test's.
 	batchTime time.Duration
 
-	fuseFailures int // a view's fused runs that failed, for rate-limited logging
+	fuseFailures     int // a view's fused runs that failed, for rate-limited logging
+	transientBatches int // batches run again after a serialization failure or deadlock (transient.go), for rate-limited logging
 }
 
 // connect opens the worker's one connection and makes the views of the fused stages that

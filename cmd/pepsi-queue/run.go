@@ -19,6 +19,8 @@ import (
 	"time"
 
 	"github.com/lib/pq"
+
+	"pepsi-dispatch/internal/readcommitted"
 )
 
 // batchSize is how many ids one action call takes: one transaction, one operator_log row.
@@ -80,7 +82,7 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		fmt.Fprintf(stderr, "pepsi-queue: %s: no [database] DSN (and PEPSI_DSN is not set)\n", inv.config)
 		return exitUsage
 	}
-	db, err := sql.Open("postgres", withAppName(dsn))
+	db, err := readcommitted.Open(withAppName(dsn))
 	if err != nil {
 		fmt.Fprintln(stderr, "pepsi-queue: database DSN:", err)
 		return exitUsage
