@@ -42,6 +42,14 @@ stage = <this stage>``; when it changes no row, the claim is gone and the messag
 non-zero (the dispatcher's failure write is guarded too and changes nothing). A handler never
 writes a failure: it raises, and the dispatcher records the failure.
 
+Isolation. The batch transaction is READ COMMITTED (``BEGIN ISOLATION LEVEL READ COMMITTED``)
+whatever the database's or role's default_transaction_isolation, as the dispatcher's sessions
+are (and the Go SDK's): a batch of many messages at SERIALIZABLE takes a predicate lock on the
+whole queue table and fails every other worker's batch, each failure failing all its messages.
+The statements sent alone (the load, the kept outcomes) run at the session's level; a batch or
+an outcome statement that ends in a serialization failure or a deadlock (40001, 40P01) before
+anything of it committed is run again, up to TRANSIENT_TRIES times in all.
+
 Lost connection. The Go SDK exits; this one reconnects (for up to RECONNECT_TIMEOUT seconds,
 and only while the dispatcher that started it is its parent) and runs the interrupted batch
 again. That is safe because nothing of an interrupted batch is trusted: the batch is loaded
@@ -56,6 +64,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import random
 import re
 import sys
 import time
@@ -99,6 +108,10 @@ for its first message from the previous batch's answer."""
 
 MAX_REASON = 1000
 """Longest failure reason put on a status line, in bytes."""
+
+TRANSIENT_TRIES = 8
+"""Times in all a batch, or an outcome statement sent alone, is run when each try ends in a
+serialization failure or a deadlock: then the last error fails its messages as any other."""
 
 RECONNECT_TIMEOUT = 30.0
 """Seconds spent reconnecting after the connection is lost, before the worker gives up and
@@ -162,6 +175,23 @@ class _Fatal(Exception):
 
 class _Lost(Exception):
     """The connection broke during a batch: reconnect and run the batch again."""
+
+
+class _Transient(Exception):
+    """The batch ended in a serialization failure or a deadlock before it committed: nothing
+    of it was written, and it may run again."""
+
+
+def _is_transient(e: BaseException) -> bool:
+    return isinstance(e, psycopg.Error) and getattr(e, "sqlstate", None) in ("40001", "40P01")
+
+
+def _again_after(attempt: int) -> None:
+    """Wait before try number attempt (2, 3, ...) of something that failed transiently: 2, 4,
+    8 ... ms, at most 100, with jitter, so that two workers that failed each other do not meet
+    again at once (the Go SDK's againAfter)."""
+    d = min(0.001 * (1 << (attempt - 1)), 0.1)
+    time.sleep(d / 2 + random.random() * d)  # a back-off between tries, not a wait for a condition
 
 
 class Config:
@@ -626,7 +656,7 @@ class _Batch:
             return
         q = []
         if not self.begun:
-            q.append("BEGIN")
+            q.append("BEGIN ISOLATION LEVEL READ COMMITTED")
         if self.last:
             # Released, the previous message's subtransaction merges into the batch's and the
             # savepoint stack stays one deep.
@@ -720,6 +750,7 @@ class _Server:
         self.wrote = False
         self.statements = 0  # requests sent by the SDK itself (tests count round trips)
         self.reconnects = 0
+        self.transient_batches = 0  # batches run again after a serialization failure or deadlock
 
     # --- connection ----------------------------------------------------------------------
 
@@ -826,16 +857,28 @@ class _Server:
     def run_batch(self, lines: List[bytes]) -> Tuple[bytes, List[bytes]]:
         """Run one batch; return its status lines and the lines left for the next batch."""
         claims: Optional[Dict[int, Any]] = None
-        for attempt in range(3):
+        lost_n = 0
+        tries = 1
+        while True:
             try:
-                return self._run_batch(lines, claims)
+                return self._run_batch(lines, claims, tries == TRANSIENT_TRIES)
             except _Lost as lost:
                 if claims is None:
                     claims = lost.args[1]
+                lost_n += 1
+                if lost_n == 3:
+                    raise _Fatal("database connection lost three times in the same batch")
                 self.reconnect(lost.args[0])
-        raise _Fatal("database connection lost three times in the same batch")
+            except _Transient as t:
+                self.transient_batches += 1
+                if self.transient_batches == 1 or self.transient_batches % 1000 == 0:
+                    self.log(f"batch ended in a serialization failure or a deadlock before it committed; "
+                             f"running it again ({self.transient_batches} so far): {_one_line(str(t.args[0]))}")
+                tries += 1
+                _again_after(tries)
 
-    def _run_batch(self, lines: List[bytes], claims: Optional[Dict[int, Any]]) -> Tuple[bytes, List[bytes]]:
+    def _run_batch(self, lines: List[bytes], claims: Optional[Dict[int, Any]],
+                   last_try: bool = True) -> Tuple[bytes, List[bytes]]:
         n = len(lines)
         replies: List[Optional[str]] = [None] * n
         ids: List[int] = []
@@ -906,6 +949,8 @@ class _Server:
             except psycopg.Error as e2:
                 if _is_connection_error(e2, self.conn):
                     raise _Lost(e2, claims)
+            if _is_transient(e) and not last_try:
+                raise _Transient(e)
             # The transaction is gone with everything in it: every message run fails.
             reason = "1 " + _one_line(f"batch transaction failed: {e}")
             for i in range(ran):
@@ -968,7 +1013,7 @@ class _Server:
         """Write the kept outcomes in one statement; fail the messages whose row it did not
         find. Should the statement fail, write them one by one, so one bad message fails alone."""
         try:
-            written = self._outcome_statement(kept)
+            written = self._again_if_transient(lambda: self._outcome_statement(kept))
         except psycopg.Error as e:
             if _is_connection_error(e, self.conn):
                 raise _Lost(e, claims)
@@ -976,7 +1021,7 @@ class _Server:
             written = set()
             for m in kept:
                 try:
-                    written |= self._outcome_statement([m])
+                    written |= self._again_if_transient(lambda: self._outcome_statement([m]))
                 except psycopg.Error as e1:
                     if _is_connection_error(e1, self.conn):
                         raise _Lost(e1, claims)
@@ -986,6 +1031,19 @@ class _Server:
             if m._kept is not None and m.id not in written:
                 replies[m._index] = (f"1 {m._chosen} message {m.id}: row is no longer running at stage "
                                      f"{self.cfg.stage} (claim lost)")
+
+    def _again_if_transient(self, op: Callable[[], Any]) -> Any:
+        """Run op, a statement sent alone, again after each serialization failure or deadlock
+        (nothing of it was written), up to TRANSIENT_TRIES times in all."""
+        tries = 1
+        while True:
+            try:
+                return op()
+            except psycopg.Error as e:
+                if not _is_transient(e) or tries == TRANSIENT_TRIES or _is_connection_error(e, self.conn):
+                    raise
+            tries += 1
+            _again_after(tries)
 
     def _outcome_statement(self, kept: List[Message]) -> set:
         """Run _OUTCOMES for kept; return the ids of the rows it wrote."""

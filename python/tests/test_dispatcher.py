@@ -192,3 +192,52 @@ def test_stats_lost_on_kill9(schema: Schema, daemon_factory) -> None:
     runs = schema.one("SELECT coalesce(sum(stage_runs), 0) FROM dispatch_stats")
     processed = schema.one("SELECT coalesce(sum(processed), 0) FROM stage_stats")
     assert runs < done and processed < done, (runs, processed, done)
+
+
+def test_database_default_serializable(schema: Schema, daemon_factory) -> None:
+    """A role whose default_transaction_isolation is SERIALIZABLE (an application's choice for
+    its own writes): the batch transactions still run READ COMMITTED (a batch of many messages
+    at SERIALIZABLE locks the whole queue table's predicate and failed the other workers'
+    batches, each failure failing all its messages), and a statement sent alone that a
+    serialization failure ends runs again. Every message done, none failed, every (message,
+    stage) committed once; an application's trigger records the level each row's UPDATE ran at,
+    and who sent it."""
+    role = "py_ser_" + schema.name[-20:]
+    schema.q(f"CREATE ROLE {role} LOGIN SUPERUSER")
+    try:
+        schema.q(f"ALTER ROLE {role} SET default_transaction_isolation = 'serializable'")
+        schema.q("CREATE TABLE iso_seen (app text NOT NULL, iso text NOT NULL, id bigint NOT NULL)")
+        schema.q("""CREATE FUNCTION iso_seen() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO iso_seen SELECT current_setting('application_name'),
+                    current_setting('transaction_isolation'), workqueue_id FROM iso_new;
+                RETURN NULL;
+            END $$""")
+        schema.q("CREATE TRIGGER iso_seen AFTER UPDATE ON workqueue REFERENCING NEW TABLE AS iso_new "
+                 "FOR EACH STATEMENT EXECUTE FUNCTION iso_seen()")
+        n = 600
+        # Every other message's handler sends nothing (norecord): its outcome is kept, sent alone.
+        schema.enqueue("s1", [{"norecord": i % 2 == 1} for i in range(n)])
+        extra = "PARALLELISM = 3\nQUEUE_LIMIT = 32"
+        stages = stage_conf("s1", PROG, "s2", extra) + stage_conf("s2", PROG, "s3", extra) + stage_conf("s3", PROG, "", extra)
+        conf = base_conf(schema, stages).replace(f"DSN = {schema.dsn}", f"DSN = {schema.dsn} user={role}", 1)
+        d = daemon_factory(conf)
+        wait_for("every message done", lambda: schema.one(
+            "SELECT count(*) FROM workqueue WHERE status = 'done'") == n, 120)
+        assert d.stop() == 0
+        failed = schema.q("SELECT workqueue_id, state->>'dispatch_error' FROM workqueue "
+                          "WHERE attempts > 0 OR state ? 'dispatch_error' ORDER BY 1 LIMIT 3")
+        assert failed == [], f"messages failed: {failed}"
+        assert schema.q("SELECT id, stage FROM runs GROUP BY 1, 2 HAVING count(*) <> 1") == []
+        assert schema.one("SELECT count(*) FROM runs") == 3 * n // 2
+        # The outcome of a message whose handler wrote is in the batch transaction; the others'
+        # are kept, sent alone after it.
+        seen = dict(schema.q("SELECT (w.payload->>'norecord')::boolean, string_agg(DISTINCT iso, ',') "
+                             "FROM iso_seen JOIN workqueue w ON w.workqueue_id = iso_seen.id "
+                             "WHERE app LIKE 'pepsi-worker%%' GROUP BY 1"))
+        assert seen == {False: "read committed", True: "serializable"}, seen
+        assert schema.one("SELECT string_agg(DISTINCT iso, ',') FROM iso_seen "
+                          "WHERE app LIKE 'pepsi-dispatch%%'") == "read committed"
+        assert "message failed" not in d.log()
+    finally:
+        schema.conn.execute(f"DROP ROLE IF EXISTS {role}")
