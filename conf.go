@@ -24,6 +24,8 @@ import (
 	"time"
 	"unicode"
 	"unicode/utf8"
+
+	"pepsi-dispatch/internal/dsnsecret"
 )
 
 // Defaults of the [pepsi-dispatch] and [stage-*] keys (doc/design/dispatch.md, doc/design/fanin.md §3.11).
@@ -350,7 +352,7 @@ func loadConfig(path string) (*Config, error) {
 				return nil, &configError{e.Where, e.Key, "unknown key in [database] (known: DSN)"}
 			}
 			if e.Value != "" {
-				if err := checkDSN(e.Value); err != nil {
+				if err := dsnsecret.Check(e.Value); err != nil {
 					return nil, &configError{e.Where, e.Key, err.Error()}
 				}
 			}

@@ -55,28 +55,6 @@ func dsnWith(dsn, key, value string) string {
 	return fmt.Sprintf("%s %s='%s'", dsn, key, quoted)
 }
 
-// checkDSN parses dsn with the driver's own parser (lib/pq's, which every connection of the
-// dispatcher will use, and the key=value syntax of libpq), so that a mistake in it is the
-// operator's configuration error at load time, reported against the DSN as written, and not
-// a connect-time failure blamed on the application_name the daemon appends, or a wait for a
-// database that no retry can reach. The message never quotes the DSN: it may hold a password.
-func checkDSN(dsn string) error {
-	_, err := pq.NewConnector(dsn)
-	if err == nil {
-		return nil
-	}
-	var ue *url.Error
-	if errors.As(err, &ue) {
-		// url.Error's text repeats the whole URL, password and all: keep only the reason.
-		err = fmt.Errorf("not a valid postgres:// URL: %w", ue.Err)
-	}
-	msg := strings.TrimPrefix(err.Error(), "pq: ")
-	if strings.Contains(msg, "$PG") {
-		msg += " (in the daemon's environment, which lib/pq reads as libpq does)"
-	}
-	return errors.New(redact(msg, dsnSecrets(dsn)))
-}
-
 // withSSLModeDefault returns dsn with sslmode=prefer added when neither the DSN nor the
 // environment chooses an sslmode, so that the dispatcher (lib/pq, whose own default is
 // "require") connects as libpq does with the same DSN: TLS when the server offers it, plain
@@ -89,7 +67,7 @@ func withSSLModeDefault(dsn string) string {
 	}
 	cfg, err := pq.NewConfig(dsn)
 	if err != nil || cfg.SSLMode != "" || cfg.SSLRootCert == "system" || cfg.SSLNegotiation != "" {
-		return dsn // an error was reported by checkDSN; a Unix socket has SSLMode "disable"
+		return dsn // an error was reported by dsnsecret.Check; a Unix socket has SSLMode "disable"
 	}
 	return dsnWith(dsn, "sslmode", "prefer")
 }

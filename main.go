@@ -45,6 +45,8 @@ import (
 	"time"
 
 	"github.com/lib/pq"
+
+	"pepsi-dispatch/internal/dsnsecret"
 )
 
 // version is set at build time: go build -ldflags "-X main.version=1.2.3".
@@ -118,7 +120,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "pepsi-dispatch: %v\n", err)
 		return 2
 	}
-	red.add(dsnSecrets(cfg.DSN)...)
+	red.add(dsnsecret.Secrets(cfg.DSN)...)
 	err = serve(ctx, cfg, log)
 	var ce *configError
 	var re *reloadError
