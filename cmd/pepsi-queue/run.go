@@ -20,6 +20,7 @@ import (
 
 	"github.com/lib/pq"
 
+	"pepsi-dispatch/internal/dsnsecret"
 	"pepsi-dispatch/internal/readcommitted"
 )
 
@@ -75,17 +76,30 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		fmt.Fprintln(stderr, "pepsi-queue:", err)
 		return exitUsage
 	}
+	from := "PEPSI_DSN"
 	if dsn == "" {
-		dsn = conf.dsn
+		dsn, from = conf.dsn, inv.config
 	}
 	if dsn == "" {
 		fmt.Fprintf(stderr, "pepsi-queue: %s: no [database] DSN (and PEPSI_DSN is not set)\n", inv.config)
 		return exitUsage
 	}
+	// Until the connection is made, an error may come from the driver, which can quote the
+	// DSN (its URL parser repeats the whole URL) or a fragment of it (the word it stopped at):
+	// none is printed before the password is taken out.
+	secrets := append(dsnsecret.Secrets(dsn), dsnsecret.FromEnv()...)
+	fail := func(code int, err error) int {
+		fmt.Fprintln(stderr, "pepsi-queue:", dsnsecret.Redact(err.Error(), secrets))
+		return code
+	}
+	// A DSN the driver cannot parse is the operator's configuration to fix, not a database
+	// to wait for; checked as written, before withAppName adds to it.
+	if err := dsnsecret.Check(dsn); err != nil {
+		return fail(exitUsage, fmt.Errorf("database DSN (%s): %w", from, err))
+	}
 	db, err := readcommitted.Open(withAppName(dsn))
 	if err != nil {
-		fmt.Fprintln(stderr, "pepsi-queue: database DSN:", err)
-		return exitUsage
+		return fail(exitUsage, fmt.Errorf("database DSN (%s): %w", from, err))
 	}
 	defer db.Close()
 	db.SetMaxOpenConns(1)
@@ -93,31 +107,32 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	err = db.PingContext(pctx)
 	cancel()
 	if err != nil {
-		fmt.Fprintln(stderr, "pepsi-queue:", &unreachable{err})
-		return exitNoDB
+		return fail(exitNoDB, &unreachable{err})
 	}
 	e := &env{inv: inv, db: db, stdin: stdin, out: stdout, errOut: stderr, actor: osUser(), conf: conf}
 	if f, ok := stdin.(*os.File); ok && !inv.stdin {
 		e.isTerminal = isTerminal(f)
 	}
 	err = e.dispatch(ctx)
+	if err == nil {
+		return exitOK
+	}
+	if errors.Is(err, errRefused) {
+		return exitRefused // the rows were reported
+	}
+	code := exitRefused
 	var ue *usageError
 	var un *unreachable
 	switch {
-	case err == nil:
-		return exitOK
-	case errors.Is(err, errRefused):
-		return exitRefused
 	case errors.As(err, &ue):
-		fmt.Fprintln(stderr, "pepsi-queue:", err)
-		return exitUsage
+		code = exitUsage
 	case errors.As(err, &un) || isConnErr(err):
-		fmt.Fprintln(stderr, "pepsi-queue:", err)
-		return exitNoDB
-	default:
-		fmt.Fprintln(stderr, "pepsi-queue:", err)
-		return exitRefused
+		code = exitNoDB
 	}
+	// A lost connection's error may still hold the password; only whole secrets are taken
+	// out here, as a quoted id or stage name of an ordinary error may be part of one by chance.
+	fmt.Fprintln(stderr, "pepsi-queue:", dsnsecret.Replace(err.Error(), secrets))
+	return code
 }
 
 // withAppName names the session. Not "pepsi-…": schema.sql's requeue trigger stays silent for
