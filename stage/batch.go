@@ -17,7 +17,6 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -84,24 +83,13 @@ const (
 // Writing every outcome at once in its own savepoint (the simple way) would cost N + 3
 // requests, N statements to parse and plan, and N subtransaction XIDs per batch.
 func (s *server) runBatch(ctx context.Context, lines []string) (out []byte, rest []string, err error) {
-	replies := make([]reply, len(lines))
-	ids := make([]int64, 0, len(lines))
-	for i, line := range lines {
-		id, ok := parseID(line)
-		if !ok {
-			replies[i].fail(fmt.Sprintf("bad message id %q: want a decimal number", line))
-			continue
-		}
-		replies[i].id = id
-		ids = append(ids, id)
-	}
+	replies, ids := parseLines(lines)
 	if len(ids) == 0 {
 		return formatReplies(replies), nil, nil
 	}
 	// A batch whose transaction ends in a serialization failure or a deadlock committed
 	// nothing, and runs again from the start (transient.go): its handlers once more, each
-	// message's reply as it was before the first try.
-	before := slices.Clone(replies)
+	// message's reply as the lines make it.
 	var ran int
 	for try := 1; ; try++ {
 		ran, err = s.runTx(ctx, replies, ids)
@@ -112,7 +100,7 @@ func (s *server) runBatch(ctx context.Context, lines []string) (out []byte, rest
 			s.log.Warn("batch ended in a serialization failure or a deadlock before it committed; running it again",
 				"batches_run_again", s.transientBatches, "error", err)
 		}
-		copy(replies, before)
+		replies, _ = parseLines(lines)
 	}
 	if err != nil {
 		if ctx.Err() != nil {
@@ -133,6 +121,23 @@ func (s *server) runBatch(ctx context.Context, lines []string) (out []byte, rest
 		}
 	}
 	return formatReplies(replies[:ran]), lines[ran:], nil
+}
+
+// parseLines makes a batch's replies from its id lines, a bad line's failed already, and
+// returns the ids of the others, in order.
+func parseLines(lines []string) ([]reply, []int64) {
+	replies := make([]reply, len(lines))
+	ids := make([]int64, 0, len(lines))
+	for i, line := range lines {
+		id, ok := parseID(line)
+		if !ok {
+			replies[i].fail(fmt.Sprintf("bad message id %q: want a decimal number", line))
+			continue
+		}
+		replies[i].id = id
+		ids = append(ids, id)
+	}
+	return replies, ids
 }
 
 // runTx is one batch: the load, the messages of replies in order, the transaction's COMMIT if
