@@ -194,8 +194,8 @@ const iniMaxLine = 64 << 10
 // programs.
 // A section header alone is returned as an entry with an empty Key, so that empty sections
 // and their line numbers are known. pepsi-queue reads the file with internal/conffile, the
-// same rules outside this package (which imports nothing of the module); FuzzConfReaders
-// holds the two to one dialect.
+// same rules outside this package (which reads its configuration with no code of the module's
+// other packages); FuzzConfReaders holds the two to one dialect.
 func parseINI(name string, r io.Reader) ([]iniEntry, error) {
 	var out []iniEntry
 	sc := bufio.NewScanner(r)

@@ -2,8 +2,9 @@ package main
 
 // The daemon's reader of pepsi.conf (parseINI) against the one pepsi-queue uses
 // (internal/conffile): the same files accepted, the same DSN and stages read from them, and a
-// rejection at the same line; and the same durations. The daemon's package imports nothing of the module, so the two
-// are separate code; this is what keeps them one dialect.
+// rejection at the same line; and the same durations. The daemon reads its configuration with
+// no code of the module's other packages, so the two are separate code; this is what keeps them
+// one dialect.
 
 import (
 	"errors"

@@ -3,8 +3,9 @@
 // a well-formed file is, so that the operator's tool accepts exactly the files the daemon
 // accepts and reads the same DSN from them; and the daemon's durations.
 //
-// The daemon keeps its own reader (parseINI in conf.go at the repository's root): its package
-// imports nothing of this module, so that an auditor reads it alone. conf_readers_test.go at
+// The daemon keeps its own reader (parseINI in conf.go at the repository's root), so that an
+// auditor reads its configuration in its package alone (it imports only small leaf packages of
+// this module: the printing of text, the password's redaction, its sessions' isolation). conf_readers_test.go at
 // the root (FuzzConfReaders, FuzzDurations) holds the two to the same verdict, the same DSN,
 // the same stages and the same line in an error, and to the same durations.
 package conffile
