@@ -871,7 +871,7 @@ class _Server:
                 self.reconnect(lost.args[0])
             except _Transient as t:
                 self.transient_batches += 1
-                if self.transient_batches == 1 or self.transient_batches % 1000 == 0:
+                if _power_of_ten(self.transient_batches):
                     self.log(f"batch ended in a serialization failure or a deadlock before it committed; "
                              f"running it again ({self.transient_batches} so far): {_one_line(str(t.args[0]))}")
                 tries += 1

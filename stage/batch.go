@@ -96,7 +96,7 @@ func (s *server) runBatch(ctx context.Context, lines []string) (out []byte, rest
 		if err == nil || !isTransient(err) || try == transientTries || s.sess.lost() || !againAfter(ctx, try+1) {
 			break
 		}
-		if s.transientBatches++; s.transientBatches == 1 || s.transientBatches%1000 == 0 {
+		if s.transientBatches++; isPowerOfTen(s.transientBatches) {
 			s.log.Warn("batch ended in a serialization failure or a deadlock before it committed; running it again",
 				"batches_run_again", s.transientBatches, "error", err)
 		}
