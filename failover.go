@@ -21,7 +21,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"pepsi-dispatch/internal/readcommitted"
+	"pepsi-dispatch/internal/pgsession"
 )
 
 // lockKeepaliveDefault bounds how long the server keeps the lock session of a holder whose
@@ -98,7 +98,7 @@ func discard(conn *sql.Conn) {
 // fence refuses it once another dispatcher has taken over. The lock connection has a pool of
 // its own (tryConnect).
 func openWorkPool(cfg *Config, inst *instance) (*sql.DB, error) {
-	db, err := readcommitted.Open(dsnWith(dsnOwn(cfg.DSN), "application_name", inst.dispatchAppName()))
+	db, err := pgsession.Open(dsnWith(dsnOwn(cfg.DSN), "application_name", inst.dispatchAppName()))
 	if err != nil {
 		return nil, fmt.Errorf("open database: %w", err)
 	}

@@ -11,7 +11,7 @@ import (
 // TestDatabaseDefaultSerializable runs a pipeline for a role whose default_transaction_isolation
 // is SERIALIZABLE, as an application that wants it for its own writes sets it. The dispatcher's
 // sessions must still run READ COMMITTED (doc/design/dispatch.md, section 5;
-// internal/readcommitted): serializable, its claim was refused by the database (40001) and
+// internal/pgsession): serializable, its claim was refused by the database (40001) and
 // waited a second at a time. So must the workers' batch transactions (BEGIN ISOLATION LEVEL
 // READ COMMITTED, stage/conn.go): serializable, a batch of many messages takes a predicate lock
 // on the whole queue table, every concurrent batch failed another, and each failure failed

@@ -44,8 +44,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/lib/pq"
-
 	"pepsi-dispatch/internal/dsnsecret"
 )
 
@@ -278,17 +276,10 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	run := *cfg
 	run.Stages = stages
 
-	listener := pq.NewListener(dsnWith(dsnOwn(cfg.DSN), "application_name", inst.appName(appDispatch)),
-		100*time.Millisecond, listenerMaxReconnect, func(ev pq.ListenerEventType, err error) {
-			switch ev {
-			case pq.ListenerEventDisconnected:
-				log.Warn("LISTEN connection lost; reconnecting", "err", err)
-			case pq.ListenerEventReconnected:
-				log.Info("LISTEN connection back")
-			case pq.ListenerEventConnectionAttemptFailed:
-				log.Debug("LISTEN reconnect failed", "err", err)
-			}
-		})
+	listener, err := openListener(ctx, cfg, inst, work, log)
+	if err != nil {
+		return err
+	}
 	var drained sync.WaitGroup
 	defer drained.Wait()
 	defer func() {
@@ -299,13 +290,8 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 			for range listener.Notify {
 			}
 		}()
-		listener.Close()
+		listener.close()
 	}()
-	for _, ch := range []string{"workqueue", "config_changed", "workqueue_cancel"} {
-		if err := listener.Listen(ch); err != nil {
-			return fmt.Errorf("listen on channel %s: %w", ch, err)
-		}
-	}
 
 	cctx, stop := context.WithCancel(ctx)
 	defer stop()

@@ -22,7 +22,7 @@ import (
 
 	"github.com/lib/pq"
 
-	"pepsi-dispatch/internal/readcommitted"
+	"pepsi-dispatch/internal/pgsession"
 )
 
 // errStopped means a signal arrived while waiting: a clean exit, not an error.
@@ -84,7 +84,7 @@ func connect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.
 func tryConnect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.Signal, ha *haBoard) (*instance, *sql.DB, error) {
 	own := dsnOwn(cfg.DSN)
 	// The system key (the workqueue table's oid) names our sessions; learn it first.
-	boot, err := readcommitted.Open(dsnWith(own, "application_name", appDispatch))
+	boot, err := pgsession.Open(dsnWith(own, "application_name", appDispatch))
 	if err != nil {
 		return nil, nil, fmt.Errorf("open database: %w", err)
 	}
@@ -93,7 +93,7 @@ func tryConnect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan 
 	if err != nil {
 		return nil, nil, err
 	}
-	db, err := readcommitted.Open(dsnWith(own, "application_name", fmt.Sprintf("%s %d", appDispatch, key)))
+	db, err := pgsession.Open(dsnWith(own, "application_name", fmt.Sprintf("%s %d", appDispatch, key)))
 	if err != nil {
 		return nil, nil, fmt.Errorf("open database: %w", err)
 	}

@@ -25,6 +25,8 @@ import (
 	"sync"
 
 	"github.com/lib/pq"
+
+	"pepsi-dispatch/internal/pgsession"
 )
 
 // session is the state of the worker's one connection that the driver wrapper needs: which
@@ -252,6 +254,16 @@ func (c *onceConnector) Connect(ctx context.Context) (driver.Conn, error) {
 		inner.Close()
 		c.sess.refused = true
 		return nil, fmt.Errorf("lib/pq connection %T lacks an interface the stage SDK wraps", inner)
+	}
+	// A worker's session is idle between batches, for up to the dispatcher's
+	// WORKER_IDLE_TIMEOUT: a role's idle_session_timeout shorter than that ended it, and the
+	// worker exited with its batch, its first message charged an attempt
+	// (TestIdleSessionTimeout). The dispatcher stops idle workers itself, so the session turns
+	// the timeout off for itself, as the dispatcher's own sessions do (internal/pgsession).
+	if _, err := pc.ExecContext(ctx, pgsession.NoIdleTimeout, nil); err != nil {
+		inner.Close()
+		c.sess.refused = true
+		return nil, fmt.Errorf("turn the session's idle_session_timeout off: %w", err)
 	}
 	c.sess.conn = &wrappedConn{inner: pc, sess: c.sess}
 	return c.sess.conn, nil

@@ -163,6 +163,13 @@
 // or an outcome statement that ends in a serialization failure or a deadlock before anything
 // of it committed runs again, up to 8 times in all (transient.go).
 //
+// The worker's session is idle between batches, for up to the dispatcher's
+// WORKER_IDLE_TIMEOUT: when it connects, it turns off a role's idle_session_timeout for itself
+// (conn.go), which ended it at every quiet spell and the worker with it, its batch's first
+// message charged an attempt. idle_in_transaction_session_timeout is left as the operator set
+// it: a handler that pauses that long between two of its own statements loses the session, and
+// the worker exits as on any lost connection.
+//
 // A batch stops taking messages (the ids left over start the next batch) when the next
 // message could take the transaction past 64 savepoints, the subtransactions PostgreSQL caches
 // per backend (one per stage of its pass that writes: N+1 for a program that can fuse N), or

@@ -21,7 +21,7 @@ import (
 	"github.com/lib/pq"
 
 	"pepsi-dispatch/internal/dsnsecret"
-	"pepsi-dispatch/internal/readcommitted"
+	"pepsi-dispatch/internal/pgsession"
 )
 
 // batchSize is how many ids one action call takes: one transaction, one operator_log row.
@@ -97,7 +97,7 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	if err := dsnsecret.Check(dsn); err != nil {
 		return fail(exitUsage, fmt.Errorf("database DSN (%s): %w", from, err))
 	}
-	db, err := readcommitted.Open(withAppName(dsn))
+	db, err := pgsession.Open(withAppName(dsn))
 	if err != nil {
 		return fail(exitUsage, fmt.Errorf("database DSN (%s): %w", from, err))
 	}
