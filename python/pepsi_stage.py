@@ -50,6 +50,12 @@ The statements sent alone (the load, the kept outcomes) run at the session's lev
 an outcome statement that ends in a serialization failure or a deadlock (40001, 40P01) before
 anything of it committed is run again, up to TRANSIENT_TRIES times in all.
 
+Idle sessions. The worker's session is idle between batches, for up to the dispatcher's
+WORKER_IDLE_TIMEOUT, and the dispatcher stops an idle worker itself: the session turns off a
+role's idle_session_timeout (PostgreSQL 14) for itself when it connects, as the Go SDK's and the
+dispatcher's sessions do; the server would otherwise end it at every quiet spell longer than
+the timeout.
+
 Lost connection. The Go SDK exits; this one reconnects (for up to RECONNECT_TIMEOUT seconds,
 and only while the dispatcher that started it is its parent) and runs the interrupted batch
 again. That is safe because nothing of an interrupted batch is trusted: the batch is loaded
@@ -112,6 +118,13 @@ MAX_REASON = 1000
 TRANSIENT_TRIES = 8
 """Times in all a batch, or an outcome statement sent alone, is run when each try ends in a
 serialization failure or a deadlock: then the last error fails its messages as any other."""
+
+_NO_IDLE_TIMEOUT = ("SELECT set_config('idle_session_timeout', '0', false) "
+                    "WHERE current_setting('idle_session_timeout', true) <> '0'")
+# Sent once per connection: turns idle_session_timeout off where the server has it (PostgreSQL
+# 14 and later: current_setting(..., true) is NULL before) and the role, the database or the
+# DSN turned it on; nothing is set otherwise. The Go SDK sends the same statement
+# (internal/pgsession.NoIdleTimeout).
 
 RECONNECT_TIMEOUT = 30.0
 """Seconds spent reconnecting after the connection is lost, before the worker gives up and
@@ -762,6 +775,11 @@ class _Server:
         except psycopg.ProgrammingError as e:
             raise _Fatal(f"parse DSN: {e}") from e
         self.conn = psycopg.connect(self.cfg.dsn, **kwargs)
+        # The session is idle between batches, for up to the dispatcher's WORKER_IDLE_TIMEOUT:
+        # a role's idle_session_timeout shorter than that ended it at every quiet spell. The
+        # dispatcher stops idle workers itself, so the session turns the timeout off, as the
+        # dispatcher's own sessions and the Go SDK's do (see "Idle sessions" above).
+        self.conn.execute(_NO_IDLE_TIMEOUT)
 
     def reconnect(self, why: BaseException) -> None:
         """Make the connection again, or raise _Fatal."""

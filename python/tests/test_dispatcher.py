@@ -241,3 +241,38 @@ def test_database_default_serializable(schema: Schema, daemon_factory) -> None:
         assert "message failed" not in d.log()
     finally:
         schema.conn.execute(f"DROP ROLE IF EXISTS {role}")
+
+
+def test_idle_session_timeout(schema: Schema, daemon_factory) -> None:
+    """A role whose idle_session_timeout (PostgreSQL 14) is shorter than the workers' idle time
+    between batches, as a DBA sets it to reap forgotten sessions: the server ended every idle
+    worker's session, and the worker reconnected at its next batch ("database connection lost
+    ...; reconnecting"). The SDK turns the timeout off for its own session when it connects, as
+    the dispatcher's sessions do. Each round runs messages, then waits until every worker's
+    session has been idle for twice the timeout; no worker may reconnect or be replaced."""
+    role = "py_idle_" + schema.name[-20:]
+    schema.q(f"CREATE ROLE {role} LOGIN SUPERUSER")
+    try:
+        schema.q(f"ALTER ROLE {role} SET idle_session_timeout = '1s'")
+        stages = stage_conf("s1", PROG, "s2", "PARALLELISM = 2") + stage_conf("s2", PROG, "", "PARALLELISM = 2")
+        conf = base_conf(schema, stages).replace(f"DSN = {schema.dsn}", f"DSN = {schema.dsn} user={role}", 1)
+        conf = conf.replace("WORKER_IDLE_TIMEOUT = 2", "WORKER_IDLE_TIMEOUT = 120", 1)
+        d = daemon_factory(conf)
+        per_round, rounds = 100, 3
+        for r in range(1, rounds + 1):
+            schema.enqueue("s1", [{} for _ in range(per_round)])
+            wait_for("the round's messages done", lambda: schema.one(
+                "SELECT count(*) FROM workqueue WHERE status = 'done'") == r * per_round)
+            wait_for("every worker's session idle for 2 s", lambda: schema.one(
+                "SELECT count(*) FROM pg_stat_activity WHERE usename = %s AND application_name ~ '^pepsi-worker ' "
+                "AND state = 'idle' AND state_change < now() - interval '2 s'", (role,)) == 4, 30)
+        assert d.stop() == 0
+        failed = schema.q("SELECT workqueue_id, state->>'dispatch_error' FROM workqueue "
+                          "WHERE attempts > 0 OR state ? 'dispatch_error' ORDER BY 1 LIMIT 3")
+        assert failed == [], f"messages failed: {failed}"
+        assert schema.q("SELECT id, stage FROM runs GROUP BY 1, 2 HAVING count(*) <> 1") == []
+        log = d.log()
+        assert "reconnecting" not in log, log
+        assert log.count("worker started") == 4, log
+    finally:
+        schema.conn.execute(f"DROP ROLE IF EXISTS {role}")
