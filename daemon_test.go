@@ -124,6 +124,25 @@ SHUTDOWN_GRACE = 5
 `, s.DSN, extra)
 }
 
+// newTestRole creates a login role for s's tests, dropped at the end, with settings
+// ("name = 'value'") as an operator's ALTER ROLE … SET gives them; confAs points a
+// configuration at it.
+func newTestRole(t testing.TB, s *testSchema, prefix string, settings ...string) string {
+	t.Helper()
+	role := prefix + "_" + s.Name
+	s.exec(t, `CREATE ROLE `+role+` LOGIN SUPERUSER`)
+	t.Cleanup(func() { s.DB.Exec(`DROP ROLE IF EXISTS ` + role) })
+	for _, set := range settings {
+		s.exec(t, `ALTER ROLE `+role+` SET `+set)
+	}
+	return role
+}
+
+// confAs returns conf (of baseConf(s, …)) with its DSN connecting as role.
+func confAs(conf string, s *testSchema, role string) string {
+	return strings.Replace(conf, "DSN = "+s.DSN, "DSN = "+s.DSN+" user="+role, 1)
+}
+
 // stageConf returns a [stage-NAME] section run by the test worker.
 func stageConf(t testing.TB, name, next, extra string) string {
 	return fmt.Sprintf("[stage-%s]\nPROGRAM = %s\nNEXT = %s\n%s\n", name, testWorkerBin(t), next, extra)

@@ -23,10 +23,7 @@ import (
 func TestDatabaseDefaultSerializable(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
-	role := "pepsi_ser_" + s.Name
-	s.exec(t, `CREATE ROLE `+role+` LOGIN SUPERUSER`)
-	t.Cleanup(func() { s.DB.Exec(`DROP ROLE IF EXISTS ` + role) })
-	s.exec(t, `ALTER ROLE `+role+` SET default_transaction_isolation = 'serializable'`)
+	role := newTestRole(t, s, "pepsi_ser", "default_transaction_isolation = 'serializable'")
 	s.exec(t, `CREATE TABLE iso_seen (app text NOT NULL, iso text NOT NULL, id bigint NOT NULL)`)
 	s.exec(t, `CREATE FUNCTION iso_seen() RETURNS trigger LANGUAGE plpgsql AS $$
 		BEGIN
@@ -38,7 +35,7 @@ func TestDatabaseDefaultSerializable(t *testing.T) {
 		FOR EACH STATEMENT EXECUTE FUNCTION iso_seen()`)
 
 	const n = 1000
-	conf := strings.Replace(baseConf(s, ""), "DSN = "+s.DSN, "DSN = "+s.DSN+" user="+role, 1) +
+	conf := confAs(baseConf(s, ""), s, role) +
 		stageConf(t, "parse", "enrich", "PARALLELISM = 3\nQUEUE_LIMIT = 8") +
 		stageConf(t, "enrich", "deliver", "PARALLELISM = 2\nQUEUE_LIMIT = 16") +
 		stageConf(t, "deliver", "", "PARALLELISM = 2\nQUEUE_LIMIT = 8")

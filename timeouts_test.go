@@ -20,12 +20,8 @@ import (
 func TestIdleSessionTimeout(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
-	role := "pepsi_idle_" + s.Name
-	s.exec(t, `CREATE ROLE `+role+` LOGIN SUPERUSER`)
-	t.Cleanup(func() { s.DB.Exec(`DROP ROLE IF EXISTS ` + role) })
-	s.exec(t, `ALTER ROLE `+role+` SET idle_session_timeout = '1s'`)
-
-	conf := strings.Replace(baseConf(s, ""), "DSN = "+s.DSN, "DSN = "+s.DSN+" user="+role, 1)
+	role := newTestRole(t, s, "pepsi_idle", "idle_session_timeout = '1s'")
+	conf := confAs(baseConf(s, ""), s, role)
 	conf = strings.Replace(conf, "WORKER_IDLE_TIMEOUT = 2", "WORKER_IDLE_TIMEOUT = 120", 1)
 	conf = strings.Replace(conf, "POLL_INTERVAL = 1", "POLL_INTERVAL = 4", 1)
 	conf += stageConf(t, "parse", "deliver", "PARALLELISM = 2") + stageConf(t, "deliver", "", "PARALLELISM = 2")
@@ -78,10 +74,8 @@ func TestIdleSessionTimeout(t *testing.T) {
 func TestListenerIdleTimeoutLearned(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
-	role := "pepsi_learn_" + s.Name
-	s.exec(t, `CREATE ROLE `+role+` LOGIN SUPERUSER`)
-	t.Cleanup(func() { s.DB.Exec(`DROP ROLE IF EXISTS ` + role) })
-	conf := strings.Replace(baseConf(s, ""), "DSN = "+s.DSN, "DSN = "+s.DSN+" user="+role, 1)
+	role := newTestRole(t, s, "pepsi_learn")
+	conf := confAs(baseConf(s, ""), s, role)
 	conf = strings.Replace(conf, "POLL_INTERVAL = 1", "POLL_INTERVAL = 60", 1)
 	conf += stageConf(t, "parse", "", "PARALLELISM = 1")
 	d := startDaemon(t, conf, "pipeline")
