@@ -1,4 +1,5 @@
-// timeouts_test.go: a role whose idle sessions the server ends (idle_session_timeout).
+// timeouts_test.go: a role whose sessions the server ends when idle (idle_session_timeout), or
+// whose statements it cuts short when they wait (lock_timeout, statement_timeout).
 
 package main
 
@@ -101,4 +102,34 @@ func TestListenerIdleTimeoutLearned(t *testing.T) {
 	s.exec(t, `INSERT INTO workqueue (stage, payload) VALUES ('parse', '{}')`)
 	waitFor(t, 20*time.Second, "the message done (notified)", func() bool { return countStatus(t, s, "done") == 1 })
 	d.stop()
+}
+
+// TestClaimPastRoleLockTimeout holds one pending row locked in an open transaction (a
+// producer's or an operator's UPDATE left open in psql), first in its stage's claim order, for
+// a role whose lock_timeout or statement_timeout is shorter than the claim's budget. The claim
+// waits for that row, and the server cuts it short (55P03, 57014): that is its budget running
+// out, sooner, and the claimer passes over locked rows for a while (claimSkipLockedSQL). It was
+// taken for the database refusing the stage's claim: the stage waited a second and met the same
+// row again, and none of its messages ran while the row was held.
+func TestClaimPastRoleLockTimeout(t *testing.T) {
+	for _, setting := range []string{"lock_timeout = '100ms'", "statement_timeout = '300ms'"} {
+		t.Run(strings.Fields(setting)[0], func(t *testing.T) {
+			s := newTestSchema(t)
+			s.exec(t, runsDDL)
+			role := newTestRole(t, s, "pepsi_lt", setting)
+			_, rollback := lockPendingRow(t, s, "parse", "")
+			defer rollback()
+			const n = 200
+			s.exec(t, `INSERT INTO workqueue (stage, payload) SELECT 'parse', '{}' FROM generate_series(1, $1)`, n)
+			d := startDaemon(t, confAs(baseConf(s, ""), s, role)+stageConf(t, "parse", "", "PARALLELISM = 2"), "pipeline")
+			waitFor(t, 30*time.Second, "every message but the held one done", func() bool { return countStatus(t, s, "done") == n })
+			d.waitLog("claiming past locked rows", 5*time.Second)
+			if strings.Contains(d.log.String(), "refused this stage's claim") {
+				t.Errorf("the claim cut short by the role's %s was taken for a refusal", setting)
+			}
+			rollback()
+			waitFor(t, 90*time.Second, "the held one done once its lock went", func() bool { return countStatus(t, s, "done") == n+1 })
+			d.stop()
+		})
+	}
 }
