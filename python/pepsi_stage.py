@@ -50,6 +50,10 @@ The statements sent alone (the load, the kept outcomes) run at the session's lev
 an outcome statement that ends in a serialization failure or a deadlock (40001, 40P01) before
 anything of it committed is run again, up to TRANSIENT_TRIES times in all.
 
+Encoding. The connection asks for UTF8 (``client_encoding``) whatever the role, the database or
+the DSN sets, as lib/pq does for the Go SDK and the dispatcher: a payload or a state may hold
+any character, and under a role's LATIN1 the server refused to send one it has no LATIN1 for.
+
 Idle sessions. The worker's session is idle between batches, for up to the dispatcher's
 WORKER_IDLE_TIMEOUT, and the dispatcher stops an idle worker itself: the session turns off a
 role's idle_session_timeout (PostgreSQL 14) for itself when it connects, as the Go SDK's and the
@@ -768,7 +772,12 @@ class _Server:
     # --- connection ----------------------------------------------------------------------
 
     def connect(self) -> None:
-        kwargs: Dict[str, Any] = {"autocommit": True}
+        # UTF8 whatever the role, the database or the DSN sets: payloads and states are jsonb,
+        # which can hold any character, and under a role's LATIN1 the server refused to send
+        # one it has no LATIN1 for, failing the message's batch (test_role_client_encoding).
+        # lib/pq, under the Go SDK and the dispatcher, always asks for UTF8. A startup
+        # parameter, which poolers (PgBouncer) forward.
+        kwargs: Dict[str, Any] = {"autocommit": True, "client_encoding": "UTF8"}
         try:
             if "application_name" not in psycopg.conninfo.conninfo_to_dict(self.cfg.dsn):
                 kwargs["application_name"] = "pepsi-stage-" + self.cfg.stage

@@ -276,3 +276,27 @@ def test_idle_session_timeout(schema: Schema, daemon_factory) -> None:
         assert log.count("worker started") == 4, log
     finally:
         schema.conn.execute(f"DROP ROLE IF EXISTS {role}")
+
+
+def test_role_client_encoding(schema: Schema, daemon_factory) -> None:
+    """A role whose client_encoding is not UTF8 (a legacy application's LATIN1): payloads and
+    states hold any Unicode character, which the server cannot send in LATIN1."""
+    role = "py_enc_" + schema.name[-20:]
+    schema.q(f"CREATE ROLE {role} LOGIN SUPERUSER")
+    try:
+        schema.q(f"ALTER ROLE {role} SET client_encoding = 'LATIN1'")
+        text = "Zürich 東京 ✓ \U0001F600"
+        n = 20
+        schema.enqueue("s1", [{"name": text, "set_state": {"seen": text}} for _ in range(n)])
+        stages = stage_conf("s1", PROG, "s2") + stage_conf("s2", PROG, "")
+        conf = base_conf(schema, stages).replace(f"DSN = {schema.dsn}", f"DSN = {schema.dsn} user={role}", 1)
+        d = daemon_factory(conf)
+        wait_for("every message done", lambda: schema.one(
+            "SELECT count(*) FROM workqueue WHERE status = 'done'") == n, 60)
+        assert d.stop() == 0
+        failed = schema.q("SELECT workqueue_id, state->>'dispatch_error' FROM workqueue "
+                          "WHERE attempts > 0 OR state ? 'dispatch_error' ORDER BY 1 LIMIT 3")
+        assert failed == [], f"messages failed: {failed}"
+        assert schema.one("SELECT count(*) FROM workqueue WHERE state->>'seen' = %s", (text,)) == n
+    finally:
+        schema.conn.execute(f"DROP ROLE IF EXISTS {role}")
