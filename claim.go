@@ -310,18 +310,6 @@ const skipLockedFor = time.Minute
 var errSkipLocked = errors.New("the claim waited its whole budget (or the role's lock_timeout or statement_timeout), " +
 	"most likely for a row lock another transaction holds; claiming past locked rows for a while")
 
-// cutWaiting reports whether the server cut a statement short for waiting too long by a
-// setting of the role's, the database's or the DSN's: lock_timeout (55P03) or
-// statement_timeout (57014). For the claim that is its budget running out, sooner: a role
-// with lock_timeout = 100ms made the claim fail at every held pending row, taken for the
-// database refusing the stage's claim, which then waited a second at a time for as long as
-// the row was held, never passing over it (TestClaimSkipLockedVariants and
-// TestClaimRowLockedElsewhere under such a role).
-func cutWaiting(err error) bool {
-	var pe *pq.Error
-	return errors.As(err, &pe) && (pe.Code == "55P03" || pe.Code == "57014")
-}
-
 // mustReplace replaces old with new in s, which must hold exactly n of them (checked when the
 // program starts, and by the tests: a claim edited out of the shape these variants expect
 // stops the daemon at once, not at the first locked row).

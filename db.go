@@ -99,6 +99,18 @@ func isTransient(err error) bool {
 	return false
 }
 
+// cutWaiting reports whether the server cut a statement short for waiting too long by a
+// setting of the role's, the database's or the DSN's: lock_timeout (55P03) or
+// statement_timeout (57014; also a cancel of our own: callers tell it by their context). The
+// claim takes it for its budget running out, sooner (claim.go: a role with lock_timeout =
+// 100ms made it fail at every held pending row, taken for the database refusing the stage's
+// claim, so it never passed over the row: TestClaimPastRoleLockTimeout); a standby waiting
+// for the lock waits again (standby.go).
+func cutWaiting(err error) bool {
+	var pe *pq.Error
+	return errors.As(err, &pe) && (pe.Code == "55P03" || pe.Code == "57014")
+}
+
 // isConnLost reports whether err means the connection (or the server) is gone, as opposed to
 // a statement that failed on a healthy connection.
 func isConnLost(err error) bool {

@@ -63,6 +63,9 @@ func openListener(ctx context.Context, cfg *Config, inst *instance, work *sql.DB
 			case pq.ListenerEventConnectionAttemptFailed:
 				log.Debug("LISTEN reconnect failed", "err", err)
 			}
+			if ev == pq.ListenerEventConnectionAttemptFailed {
+				return // many in an outage, and nothing the keeper needs
+			}
 			select {
 			case l.events <- listenEvent{ev, err, time.Now()}:
 			default: // the keeper is behind by 16 events: it misses a lifetime, not a ping
@@ -112,30 +115,22 @@ func roleIdleTimeout(ctx context.Context, db *sql.DB) (time.Duration, error) {
 // keep pings the connection every `every` (none while it is 0). since is when the connection
 // was made.
 func (l *listener) keep(ctx context.Context, every time.Duration, since time.Time, log *slog.Logger) {
-	var tick <-chan time.Time
-	var ticker *time.Ticker
+	// A stopped ticker never fires: it is started (Reset) once there is a timeout to beat.
+	ticker := time.NewTicker(time.Hour)
+	ticker.Stop()
+	defer ticker.Stop()
 	setEvery := func(d time.Duration) {
 		every = max(d, minListenPing)
-		if ticker == nil {
-			ticker = time.NewTicker(every)
-			tick = ticker.C
-		} else {
-			ticker.Reset(every)
-		}
+		ticker.Reset(every)
 	}
 	if every > 0 {
 		setEvery(every)
 	}
-	defer func() {
-		if ticker != nil {
-			ticker.Stop()
-		}
-	}()
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-tick:
+		case <-ticker.C:
 			// An error means no connection now: the Listener is making it again by itself.
 			_ = l.Ping()
 		case ev := <-l.events:

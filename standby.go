@@ -20,8 +20,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/lib/pq"
-
 	"pepsi-dispatch/internal/pgsession"
 )
 
@@ -51,9 +49,8 @@ func connect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.
 			return nil, nil, nil
 		}
 		var why string
-		var pe *pq.Error
 		switch {
-		case errors.As(err, &pe) && (pe.Code == "57014" || pe.Code == "55P03"):
+		case cutWaiting(err):
 			// A standby's wait cut by statement_timeout or lock_timeout (the DSN's options):
 			// not a failure, just wait again.
 			why = "standby: the wait for the lock was cut by a timeout; waiting again"
@@ -64,7 +61,7 @@ func connect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.
 		default:
 			return nil, nil, connectError(err)
 		}
-		if pe == nil || pe.Code != "57014" && pe.Code != "55P03" {
+		if !cutWaiting(err) {
 			ha.update(func(s *haStatus) { s.role = "waiting" })
 		}
 		d := b.next()

@@ -133,3 +133,26 @@ func TestClaimPastRoleLockTimeout(t *testing.T) {
 		})
 	}
 }
+
+// TestStandbyWaitCutByRoleTimeout runs a standby dispatcher for a role whose lock_timeout cuts
+// its wait for the single-instance lock (55P03, cutWaiting): it waits again, says so, and takes
+// the lock once the holder has stopped. The path had no test before cutWaiting replaced its own
+// copy of the check.
+func TestStandbyWaitCutByRoleTimeout(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	conf := baseConf(s, "STANDBY = yes") + stageConf(t, "parse", "", "")
+	first := startDaemon(t, conf, "pipeline")
+	first.waitLog("single-instance lock taken", 30*time.Second)
+	role := newTestRole(t, s, "pepsi_sbw", "lock_timeout = '200ms'")
+	second := startDaemon(t, confAs(conf, s, role), "pipeline")
+	second.waitLog("standby: the wait for the lock was cut by a timeout; waiting again", 30*time.Second)
+	first.stop()
+	second.waitLog("single-instance lock taken", 30*time.Second)
+	s.exec(t, `INSERT INTO workqueue (stage, payload) VALUES ('parse', '{}')`)
+	waitFor(t, 30*time.Second, "the message done by the new holder", func() bool { return countStatus(t, s, "done") == 1 })
+	second.stop()
+	if strings.Contains(second.log.String(), "level=ERROR") {
+		t.Errorf("the standby logged an error:\n%s", second.log.String())
+	}
+}

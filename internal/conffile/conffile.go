@@ -5,7 +5,7 @@
 //
 // The daemon keeps its own reader (parseINI in conf.go at the repository's root), so that an
 // auditor reads its configuration in its package alone (it imports only small leaf packages of
-// this module: the printing of text, the password's redaction, its sessions' isolation). conf_readers_test.go at
+// this module: the printing of text, the password's redaction, its sessions' settings). conf_readers_test.go at
 // the root (FuzzConfReaders, FuzzDurations) holds the two to the same verdict, the same DSN,
 // the same stages and the same line in an error, and to the same durations.
 package conffile
