@@ -92,6 +92,12 @@ class Schema:
         assert len(rows) == 1, f"{query}: {len(rows)} rows"
         return rows[0][0] if len(rows[0]) == 1 else rows[0]
 
+    def failed(self) -> List[tuple]:
+        """The first three messages charged an attempt or holding a dispatch_error: none is
+        what a test of a run that should fail nothing asserts."""
+        return self.q("SELECT workqueue_id, state->>'dispatch_error' FROM workqueue "
+                      "WHERE attempts > 0 OR state ? 'dispatch_error' ORDER BY 1 LIMIT 3")
+
     def enqueue(self, stage: str, payloads: List[object]) -> List[int]:
         """Insert one pending message per payload at stage; return the ids in order."""
         from psycopg.types.json import Jsonb
@@ -266,6 +272,30 @@ SHUTDOWN_GRACE = 5
 {extra}
 {stages}
 """
+
+
+@pytest.fixture
+def role_factory(schema: Schema) -> Iterator[Callable[..., str]]:
+    """role_factory(prefix, *settings) creates a login role for the test, with settings
+    ("name = 'value'") as an operator's ALTER ROLE ... SET gives them; dropped at the end."""
+    made: List[str] = []
+
+    def make(prefix: str, *settings: str) -> str:
+        role = f"{prefix}_{schema.name[-20:]}"
+        schema.q(f"CREATE ROLE {role} LOGIN SUPERUSER")
+        made.append(role)
+        for setting in settings:
+            schema.q(f"ALTER ROLE {role} SET {setting}")
+        return role
+
+    yield make
+    for role in made:
+        schema.conn.execute(f"DROP ROLE IF EXISTS {role}")
+
+
+def conf_as(conf: str, schema: Schema, role: str) -> str:
+    """conf (of base_conf(schema, ...)) with its DSN connecting as role."""
+    return conf.replace(f"DSN = {schema.dsn}", f"DSN = {schema.dsn} user={role}", 1)
 
 
 def stage_conf(name: str, program: str, next: str = "", extra: str = "") -> str:

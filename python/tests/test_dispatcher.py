@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from conftest import ROOT, TESTS, Schema, base_conf, stage_conf, wait_for, world_dir
+from conftest import ROOT, TESTS, Schema, base_conf, conf_as, stage_conf, wait_for, world_dir
 
 PROG = str(TESTS / "stage_prog.py")
 EXAMPLE = str(ROOT / "doc/examples/python-stage")
@@ -194,7 +194,7 @@ def test_stats_lost_on_kill9(schema: Schema, daemon_factory) -> None:
     assert runs < done and processed < done, (runs, processed, done)
 
 
-def test_database_default_serializable(schema: Schema, daemon_factory) -> None:
+def test_database_default_serializable(schema: Schema, daemon_factory, role_factory) -> None:
     """A role whose default_transaction_isolation is SERIALIZABLE (an application's choice for
     its own writes): the batch transactions still run READ COMMITTED (a batch of many messages
     at SERIALIZABLE locks the whole queue table's predicate and failed the other workers'
@@ -202,101 +202,83 @@ def test_database_default_serializable(schema: Schema, daemon_factory) -> None:
     serialization failure ends runs again. Every message done, none failed, every (message,
     stage) committed once; an application's trigger records the level each row's UPDATE ran at,
     and who sent it."""
-    role = "py_ser_" + schema.name[-20:]
-    schema.q(f"CREATE ROLE {role} LOGIN SUPERUSER")
-    try:
-        schema.q(f"ALTER ROLE {role} SET default_transaction_isolation = 'serializable'")
-        schema.q("CREATE TABLE iso_seen (app text NOT NULL, iso text NOT NULL, id bigint NOT NULL)")
-        schema.q("""CREATE FUNCTION iso_seen() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                INSERT INTO iso_seen SELECT current_setting('application_name'),
-                    current_setting('transaction_isolation'), workqueue_id FROM iso_new;
-                RETURN NULL;
-            END $$""")
-        schema.q("CREATE TRIGGER iso_seen AFTER UPDATE ON workqueue REFERENCING NEW TABLE AS iso_new "
-                 "FOR EACH STATEMENT EXECUTE FUNCTION iso_seen()")
-        n = 600
-        # Every other message's handler sends nothing (norecord): its outcome is kept, sent alone.
-        schema.enqueue("s1", [{"norecord": i % 2 == 1} for i in range(n)])
-        extra = "PARALLELISM = 3\nQUEUE_LIMIT = 32"
-        stages = stage_conf("s1", PROG, "s2", extra) + stage_conf("s2", PROG, "s3", extra) + stage_conf("s3", PROG, "", extra)
-        conf = base_conf(schema, stages).replace(f"DSN = {schema.dsn}", f"DSN = {schema.dsn} user={role}", 1)
-        d = daemon_factory(conf)
-        wait_for("every message done", lambda: schema.one(
-            "SELECT count(*) FROM workqueue WHERE status = 'done'") == n, 120)
-        assert d.stop() == 0
-        failed = schema.q("SELECT workqueue_id, state->>'dispatch_error' FROM workqueue "
-                          "WHERE attempts > 0 OR state ? 'dispatch_error' ORDER BY 1 LIMIT 3")
-        assert failed == [], f"messages failed: {failed}"
-        assert schema.q("SELECT id, stage FROM runs GROUP BY 1, 2 HAVING count(*) <> 1") == []
-        assert schema.one("SELECT count(*) FROM runs") == 3 * n // 2
-        # The outcome of a message whose handler wrote is in the batch transaction; the others'
-        # are kept, sent alone after it.
-        seen = dict(schema.q("SELECT (w.payload->>'norecord')::boolean, string_agg(DISTINCT iso, ',') "
-                             "FROM iso_seen JOIN workqueue w ON w.workqueue_id = iso_seen.id "
-                             "WHERE app LIKE 'pepsi-worker%%' GROUP BY 1"))
-        assert seen == {False: "read committed", True: "serializable"}, seen
-        assert schema.one("SELECT string_agg(DISTINCT iso, ',') FROM iso_seen "
-                          "WHERE app LIKE 'pepsi-dispatch%%'") == "read committed"
-        assert "message failed" not in d.log()
-    finally:
-        schema.conn.execute(f"DROP ROLE IF EXISTS {role}")
+    role = role_factory("py_ser", "default_transaction_isolation = 'serializable'")
+    schema.q("CREATE TABLE iso_seen (app text NOT NULL, iso text NOT NULL, id bigint NOT NULL)")
+    schema.q("""CREATE FUNCTION iso_seen() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO iso_seen SELECT current_setting('application_name'),
+                current_setting('transaction_isolation'), workqueue_id FROM iso_new;
+            RETURN NULL;
+        END $$""")
+    schema.q("CREATE TRIGGER iso_seen AFTER UPDATE ON workqueue REFERENCING NEW TABLE AS iso_new "
+             "FOR EACH STATEMENT EXECUTE FUNCTION iso_seen()")
+    n = 600
+    # Every other message's handler sends nothing (norecord): its outcome is kept, sent alone.
+    schema.enqueue("s1", [{"norecord": i % 2 == 1} for i in range(n)])
+    extra = "PARALLELISM = 3\nQUEUE_LIMIT = 32"
+    stages = stage_conf("s1", PROG, "s2", extra) + stage_conf("s2", PROG, "s3", extra) + stage_conf("s3", PROG, "", extra)
+    conf = conf_as(base_conf(schema, stages), schema, role)
+    d = daemon_factory(conf)
+    wait_for("every message done", lambda: schema.one(
+        "SELECT count(*) FROM workqueue WHERE status = 'done'") == n, 120)
+    assert d.stop() == 0
+    failed = schema.failed()
+    assert failed == [], f"messages failed: {failed}"
+    assert schema.q("SELECT id, stage FROM runs GROUP BY 1, 2 HAVING count(*) <> 1") == []
+    assert schema.one("SELECT count(*) FROM runs") == 3 * n // 2
+    # The outcome of a message whose handler wrote is in the batch transaction; the others'
+    # are kept, sent alone after it.
+    seen = dict(schema.q("SELECT (w.payload->>'norecord')::boolean, string_agg(DISTINCT iso, ',') "
+                         "FROM iso_seen JOIN workqueue w ON w.workqueue_id = iso_seen.id "
+                         "WHERE app LIKE 'pepsi-worker%%' GROUP BY 1"))
+    assert seen == {False: "read committed", True: "serializable"}, seen
+    assert schema.one("SELECT string_agg(DISTINCT iso, ',') FROM iso_seen "
+                      "WHERE app LIKE 'pepsi-dispatch%%'") == "read committed"
+    assert "message failed" not in d.log()
 
 
-def test_idle_session_timeout(schema: Schema, daemon_factory) -> None:
+def test_idle_session_timeout(schema: Schema, daemon_factory, role_factory) -> None:
     """A role whose idle_session_timeout (PostgreSQL 14) is shorter than the workers' idle time
     between batches, as a DBA sets it to reap forgotten sessions: the server ended every idle
     worker's session, and the worker reconnected at its next batch ("database connection lost
     ...; reconnecting"). The SDK turns the timeout off for its own session when it connects, as
     the dispatcher's sessions do. Each round runs messages, then waits until every worker's
     session has been idle for twice the timeout; no worker may reconnect or be replaced."""
-    role = "py_idle_" + schema.name[-20:]
-    schema.q(f"CREATE ROLE {role} LOGIN SUPERUSER")
-    try:
-        schema.q(f"ALTER ROLE {role} SET idle_session_timeout = '1s'")
-        stages = stage_conf("s1", PROG, "s2", "PARALLELISM = 2") + stage_conf("s2", PROG, "", "PARALLELISM = 2")
-        conf = base_conf(schema, stages).replace(f"DSN = {schema.dsn}", f"DSN = {schema.dsn} user={role}", 1)
-        conf = conf.replace("WORKER_IDLE_TIMEOUT = 2", "WORKER_IDLE_TIMEOUT = 120", 1)
-        d = daemon_factory(conf)
-        per_round, rounds = 100, 3
-        for r in range(1, rounds + 1):
-            schema.enqueue("s1", [{} for _ in range(per_round)])
-            wait_for("the round's messages done", lambda: schema.one(
-                "SELECT count(*) FROM workqueue WHERE status = 'done'") == r * per_round)
-            wait_for("every worker's session idle for 2 s", lambda: schema.one(
-                "SELECT count(*) FROM pg_stat_activity WHERE usename = %s AND application_name ~ '^pepsi-worker ' "
-                "AND state = 'idle' AND state_change < now() - interval '2 s'", (role,)) == 4, 30)
-        assert d.stop() == 0
-        failed = schema.q("SELECT workqueue_id, state->>'dispatch_error' FROM workqueue "
-                          "WHERE attempts > 0 OR state ? 'dispatch_error' ORDER BY 1 LIMIT 3")
-        assert failed == [], f"messages failed: {failed}"
-        assert schema.q("SELECT id, stage FROM runs GROUP BY 1, 2 HAVING count(*) <> 1") == []
-        log = d.log()
-        assert "reconnecting" not in log, log
-        assert log.count("worker started") == 4, log
-    finally:
-        schema.conn.execute(f"DROP ROLE IF EXISTS {role}")
+    role = role_factory("py_idle", "idle_session_timeout = '1s'")
+    stages = stage_conf("s1", PROG, "s2", "PARALLELISM = 2") + stage_conf("s2", PROG, "", "PARALLELISM = 2")
+    conf = conf_as(base_conf(schema, stages), schema, role)
+    conf = conf.replace("WORKER_IDLE_TIMEOUT = 2", "WORKER_IDLE_TIMEOUT = 120", 1)
+    d = daemon_factory(conf)
+    per_round, rounds = 100, 3
+    for r in range(1, rounds + 1):
+        schema.enqueue("s1", [{} for _ in range(per_round)])
+        wait_for("the round's messages done", lambda: schema.one(
+            "SELECT count(*) FROM workqueue WHERE status = 'done'") == r * per_round)
+        wait_for("every worker's session idle for 2 s", lambda: schema.one(
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = %s AND application_name ~ '^pepsi-worker ' "
+            "AND state = 'idle' AND state_change < now() - interval '2 s'", (role,)) == 4, 30)
+    assert d.stop() == 0
+    failed = schema.failed()
+    assert failed == [], f"messages failed: {failed}"
+    assert schema.q("SELECT id, stage FROM runs GROUP BY 1, 2 HAVING count(*) <> 1") == []
+    log = d.log()
+    assert "reconnecting" not in log, log
+    assert log.count("worker started") == 4, log
 
 
-def test_role_client_encoding(schema: Schema, daemon_factory) -> None:
+def test_role_client_encoding(schema: Schema, daemon_factory, role_factory) -> None:
     """A role whose client_encoding is not UTF8 (a legacy application's LATIN1): payloads and
     states hold any Unicode character, which the server cannot send in LATIN1."""
-    role = "py_enc_" + schema.name[-20:]
-    schema.q(f"CREATE ROLE {role} LOGIN SUPERUSER")
-    try:
-        schema.q(f"ALTER ROLE {role} SET client_encoding = 'LATIN1'")
-        text = "Zürich 東京 ✓ \U0001F600"
-        n = 20
-        schema.enqueue("s1", [{"name": text, "set_state": {"seen": text}} for _ in range(n)])
-        stages = stage_conf("s1", PROG, "s2") + stage_conf("s2", PROG, "")
-        conf = base_conf(schema, stages).replace(f"DSN = {schema.dsn}", f"DSN = {schema.dsn} user={role}", 1)
-        d = daemon_factory(conf)
-        wait_for("every message done", lambda: schema.one(
-            "SELECT count(*) FROM workqueue WHERE status = 'done'") == n, 60)
-        assert d.stop() == 0
-        failed = schema.q("SELECT workqueue_id, state->>'dispatch_error' FROM workqueue "
-                          "WHERE attempts > 0 OR state ? 'dispatch_error' ORDER BY 1 LIMIT 3")
-        assert failed == [], f"messages failed: {failed}"
-        assert schema.one("SELECT count(*) FROM workqueue WHERE state->>'seen' = %s", (text,)) == n
-    finally:
-        schema.conn.execute(f"DROP ROLE IF EXISTS {role}")
+    role = role_factory("py_enc", "client_encoding = 'LATIN1'")
+    text = "Zürich 東京 ✓ \U0001F600"
+    n = 20
+    schema.enqueue("s1", [{"name": text, "set_state": {"seen": text}} for _ in range(n)])
+    stages = stage_conf("s1", PROG, "s2") + stage_conf("s2", PROG, "")
+    conf = conf_as(base_conf(schema, stages), schema, role)
+    d = daemon_factory(conf)
+    wait_for("every message done", lambda: schema.one(
+        "SELECT count(*) FROM workqueue WHERE status = 'done'") == n, 60)
+    assert d.stop() == 0
+    failed = schema.failed()
+    assert failed == [], f"messages failed: {failed}"
+    assert schema.one("SELECT count(*) FROM workqueue WHERE state->>'seen' = %s", (text,)) == n
