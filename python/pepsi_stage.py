@@ -788,7 +788,12 @@ class _Server:
         # a role's idle_session_timeout shorter than that ended it at every quiet spell. The
         # dispatcher stops idle workers itself, so the session turns the timeout off, as the
         # dispatcher's own sessions and the Go SDK's do (see "Idle sessions" above).
-        self.conn.execute(_NO_IDLE_TIMEOUT)
+        try:
+            self.conn.execute(_NO_IDLE_TIMEOUT)
+        except psycopg.OperationalError:
+            raise  # the connection went: made again like any lost one
+        except psycopg.Error as e:
+            raise _Fatal(f"turn the session's idle_session_timeout off: {_one_line(str(e))}") from e
 
     def reconnect(self, why: BaseException) -> None:
         """Make the connection again, or raise _Fatal."""
