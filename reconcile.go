@@ -18,36 +18,74 @@ import (
 	"database/sql"
 	"fmt"
 	"time"
+
+	"github.com/lib/pq"
 )
 
-// reconcileSQL reads the running rows: every claim of this system. There is no index on
-// running rows (schema.sql says why), so this is one scan of the table, once per re-lock: the
-// price of a failover, not of every claim.
-const reconcileSQL = `SELECT workqueue_id, stage, claim FROM workqueue WHERE status = 'running'`
+// readRunningSQL reads the running rows among the next $2 rows after id $1 in id order (a
+// window), and what it says of the window: how many rows it looked at and the last of them.
+// There is no index on running rows (schema.sql says why), so finding them means looking at
+// every row, once per start and once per re-lock: the price of a failover, not of every claim.
+// It is done a window at a time, each window a statement within its own budget, because one
+// scan of the table grows with every done row kept (RETENTION = 0 keeps them all): past the
+// statement budget (10 s: tens of millions of rows, far fewer with a cold cache) the reconcile
+// failed at every re-lock, and past a role's statement_timeout the dispatcher could not start
+// (150 ms on 4 million rows: "reset orphaned running rows: ... statement timeout";
+// TestRunningReadPastRoleStatementTimeout). A window costs about 0.25 µs a row here (50,000
+// rows: about 15 ms), a plain scan of the table half to a quarter of that in all; the windows
+// need no common snapshot, since nothing but the dispatcher's own claim puts a row into
+// running, and it does not claim before the reconcile is over: a row that leaves running
+// between two windows needs no reset, and the reset's guard passes over it.
+const readRunningSQL = `
+WITH win AS (
+    SELECT workqueue_id, stage, claim, status FROM workqueue
+     WHERE workqueue_id > $1
+     ORDER BY workqueue_id
+     LIMIT $2
+)
+SELECT coalesce(array_agg(workqueue_id) FILTER (WHERE status = 'running'), '{}'),
+       coalesce(array_agg(stage) FILTER (WHERE status = 'running'), '{}'),
+       coalesce(array_agg(coalesce(claim, 0)) FILTER (WHERE status = 'running'), '{}'),
+       count(*), coalesce(max(workqueue_id), 0)
+  FROM win`
 
-// readRunning reads the running rows (reconcileSQL) for the two orphan resets, the start's
-// (resetOrphans) and the reconcile's. A row claimed by a version before claim tokens reads as
-// token 0, which resetSQL guards as such.
+const (
+	runningWindow    = 50_000 // rows one statement of readRunning looks at
+	runningWindowMin = 500    // ... at the least, when a role's statement_timeout cuts it
+)
+
+// readRunning reads the running rows (readRunningSQL) for the two orphan resets, the start's
+// (resetOrphans) and the reconcile's, a window at a time, each within dbStatementBudget. A
+// window cut by a statement_timeout of the role's, the database's or the DSN's is read again
+// at half the size, down to runningWindowMin. A row claimed by a version before claim tokens
+// reads as token 0, which resetSQL guards as such.
 func readRunning(ctx context.Context, conn *sql.Conn) ([]*message, error) {
-	rows, err := conn.QueryContext(ctx, reconcileSQL)
-	if err != nil {
-		return nil, fmt.Errorf("read running rows: %w", err)
-	}
-	defer rows.Close()
 	var ms []*message
-	for rows.Next() {
-		m := &message{}
-		var claim sql.NullInt64
-		if err := rows.Scan(&m.id, &m.stage, &claim); err != nil {
-			return nil, fmt.Errorf("read running rows: %w", err)
+	var after int64 // ids are positive (schema.sql)
+	window := runningWindow
+	for {
+		var ids, claims []int64
+		var stages []string
+		var looked, last int64
+		wctx, cancel := context.WithTimeout(ctx, dbStatementBudget)
+		err := conn.QueryRowContext(wctx, readRunningSQL, after, window).
+			Scan((*pq.Int64Array)(&ids), (*pq.StringArray)(&stages), (*pq.Int64Array)(&claims), &looked, &last)
+		cancel()
+		if err != nil && cutWaiting(err) && wctx.Err() == nil && window > runningWindowMin {
+			window = max(window/2, runningWindowMin)
+			continue
 		}
-		m.claim = claim.Int64
-		ms = append(ms, m)
+		if err != nil {
+			return nil, fmt.Errorf("read running rows (%d rows after id %d): %w", window, after, err)
+		}
+		for i, id := range ids {
+			ms = append(ms, &message{id: id, stage: stages[i], claim: claims[i]})
+		}
+		if looked < int64(window) {
+			return ms, nil
+		}
+		after = last
 	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("read running rows: %w", err)
-	}
-	return ms, nil
 }
 
 // reconcileCounts is what one reconcile did.
@@ -102,12 +140,12 @@ func (c *coordinator) reconcile() (reconcileCounts, error) {
 	for _, m := range c.heldResets {
 		ours(m)
 	}
-	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
-	defer cancel()
-	running, err := readRunning(ctx, c.inst.conn)
+	running, err := readRunning(c.ctx, c.inst.conn) // a budget per window
 	if err != nil {
 		return n, fmt.Errorf("reconcile: %w", err)
 	}
+	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
+	defer cancel()
 	var orphans []*message
 	seen := map[key]bool{}
 	for _, m := range running {
