@@ -357,6 +357,12 @@ func TestStartupOrphanRowHeld(t *testing.T) {
 	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'running'`, held); n != 1 {
 		t.Errorf("the held orphan changed while its lock is held")
 	}
+	// Its row is running, and the rows gauges count it: the dispatcher's count of running rows
+	// (no index serves them) includes its writes not yet made.
+	waitFor(t, 5*time.Second, "the held orphan counted running on /metrics", func() bool {
+		v, ok := metric(t, addr, `pepsi_rows{stage="a",status="running"}`)
+		return ok && v == 1
+	})
 	heldRowRunsOnce(t, s, held, rollback, 7)
 	waitFor(t, 5*time.Second, "pepsi_held_writes back to 0 on /metrics", func() bool {
 		v, ok := metric(t, addr, "pepsi_held_writes")

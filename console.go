@@ -212,7 +212,7 @@ type stageView struct {
 
 // consoleStatuses are the statuses the overview counts, in the order it shows them. Done rows
 // are not counted (as in /metrics): the table of done rows is the one that grows, and no
-// index serves a count of it.
+// index serves a count of it. Running rows are the dispatcher's own count (console_counts.go).
 var consoleStatuses = []string{"pending", "running", "paused", "waiting", "held", "failed", "cancelled"}
 
 func (c *console) overview(r *http.Request) (string, string, any, error) {
@@ -233,6 +233,9 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 		for _, st := range s.stages {
 			v := get(st.name)
 			v.Workers, v.InFlight, v.Held, v.Paused = st.workers, st.inflight, st.held, st.paused
+			if st.running > 0 {
+				v.Counts["running"] = int64(st.running) // no index serves running rows: the dispatcher's own count
+			}
 		}
 		heldWrites, heldGroups, refusedWrites, refusedGroups = s.held, s.faninHeld, s.refused, s.faninRefused
 	}

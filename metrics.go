@@ -49,6 +49,7 @@ type stageSnapshot struct {
 	name     string
 	workers  int
 	inflight int
+	running  int // rows of the stage this dispatcher holds running: in flight, and writes not yet made
 	held     bool
 	paused   bool // PAUSED = yes (pepsi-queue pause): not claimed
 	c        stageCounters
@@ -102,8 +103,30 @@ func (c *coordinator) snapshot() *metricsSnapshot {
 	for _, w := range c.workers {
 		perStage[w.stage]++
 	}
+	// The rows still running that no worker has: their failure or reset is yet to be written
+	// (queued, or waiting for a row another transaction holds). A forgotten one's row is no
+	// longer our claim.
+	unwritten := map[string]int{}
+	for _, fs := range [][]failure{c.failures, c.heldFailures} {
+		for _, f := range fs {
+			if !f.m.forgotten {
+				unwritten[f.m.stage]++
+			}
+		}
+	}
+	for _, ms := range [][]*message{c.resets, c.heldResets} {
+		for _, m := range ms {
+			if !m.forgotten {
+				unwritten[m.stage]++
+			}
+		}
+	}
+	for name := range unwritten {
+		names[name] = true
+	}
 	for name := range names {
-		ss := stageSnapshot{name: name, workers: perStage[name], inflight: c.inflight[name]}
+		ss := stageSnapshot{name: name, workers: perStage[name], inflight: c.inflight[name],
+			running: c.inflight[name] + unwritten[name]}
 		if p := c.pools[name]; p != nil {
 			ss.held = p.held(now)
 			ss.paused = p.cfg.Paused
@@ -252,12 +275,14 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 	}
 	if db := m.db.Load(); db != nil {
 		var known []string // the configured stages and those with counters: their rows gauges exist even at 0
+		running := map[string]int{}
 		if s := m.snap.Load(); s != nil {
 			for _, st := range s.stages {
 				known = append(known, st.name)
+				running[st.name] = st.running
 			}
 		}
-		m.writeRows(ctx, db, p, known)
+		m.writeRows(ctx, db, p, known, running)
 	}
 	if m.locks != nil {
 		m.locks.writeMetrics(w)
@@ -270,21 +295,18 @@ var rowStatuses = []string{"failed", "held", "paused", "pending", "running", "wa
 // writeRows adds the row gauges: rows per stage and status, and the oldest pending row's age.
 // Every stage of known and every stage with rows gets a sample for every status of rowStatuses,
 // 0 when it has none: a gauge that vanishes when the queue empties reads as "no data" to an
-// alert on it (pepsi_rows{status="failed"} > 0 would go silent instead of false).
-func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter, known []string) {
+// alert on it (pepsi_rows{status="failed"} > 0 would go silent instead of false). The rows
+// are counted through their statuses' partial indexes (liveRowsSQL), and the running ones are
+// the dispatcher's own count (running, from the coordinator's snapshot): no index serves them.
+func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter, known []string, running map[string]int) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	rows, err := db.QueryContext(ctx, `
-		SELECT stage, status, count(*),
-		       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)::float8
-		  FROM workqueue WHERE status IN ('pending', 'running', 'paused', 'waiting', 'held', 'failed')
-		 GROUP BY stage, status ORDER BY stage, status`)
+	lines, err := countPerStage(ctx, db)
 	if err != nil {
 		p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 0)
 		m.log.Warn("metrics: row gauges not read", "err", err)
 		return
 	}
-	defer rows.Close()
 	type key struct{ stage, status string }
 	counts := map[key]int64{}
 	ages := map[string]float64{}
@@ -292,25 +314,21 @@ func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter
 	for _, st := range known {
 		stages[st] = true
 	}
-	for rows.Next() {
-		var stage, status string
-		var n int64
-		var age float64
-		if err := rows.Scan(&stage, &status, &n, &age); err != nil {
-			p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 0)
-			m.log.Warn("metrics: row gauges not read", "err", err)
-			return
+	for _, l := range lines {
+		if l.status == "cancelled" {
+			continue // ended, like done: not a gauge of work
 		}
-		counts[key{stage, status}] = n
-		stages[stage] = true
-		if status == "pending" {
-			ages[stage] = age
+		counts[key{l.stage, l.status}] = l.n
+		stages[l.stage] = true
+		if l.status == "pending" {
+			ages[l.stage] = l.oldest.Seconds()
 		}
 	}
-	if err := rows.Err(); err != nil {
-		p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 0)
-		m.log.Warn("metrics: row gauges not read", "err", err)
-		return
+	for stage, n := range running {
+		if n > 0 {
+			counts[key{stage, "running"}] = int64(n)
+			stages[stage] = true
+		}
 	}
 	names := slices.Sorted(maps.Keys(stages))
 	for _, stage := range names {

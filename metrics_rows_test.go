@@ -152,3 +152,27 @@ func promtoolPath(t *testing.T) string {
 	return referenceTool(t, "PROMTOOL", "promtool", "the check of /metrics by Prometheus's own parser",
 		"apt-get install -y prometheus")
 }
+
+// TestRunningRowsCounted: running rows have no index, so /metrics and the console's overview
+// take their count from the dispatcher, not from the table; it must still be the table's
+// count: the messages in workers' queues (here four a worker holds, never answering), and
+// not the pending rows behind them.
+func TestRunningRowsCounted(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	addr := freePort(t)
+	conf := baseConf(s, "METRICS_LISTEN = "+addr) + stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4")
+	d := startDaemon(t, conf, "pipeline")
+	enqueue(t, s, "a", 6, `{"hang_at": "a"}`)
+	waitFor(t, 30*time.Second, "four rows running in the table", func() bool { return countStatus(t, s, "running") == 4 })
+	waitFor(t, 5*time.Second, "/metrics counting them", func() bool {
+		run, ok1 := metric(t, addr, `pepsi_rows{stage="a",status="running"}`)
+		pend, ok2 := metric(t, addr, `pepsi_rows{stage="a",status="pending"}`)
+		return ok1 && ok2 && run == 4 && pend == 2
+	})
+	if page := consoleOverview(t, addr); !strings.Contains(page, `href="/search?stage=a&amp;status=running">4<`) ||
+		!strings.Contains(page, `href="/search?stage=a&amp;status=pending">2<`) {
+		t.Errorf("the console's overview does not count 4 running and 2 pending rows:\n%s", page)
+	}
+	d.stop()
+}
