@@ -13,6 +13,7 @@ import (
 	"database/sql"
 	"fmt"
 	"io"
+	"maps"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -911,4 +912,77 @@ func TestOperatePlansStaleStatistics(t *testing.T) {
 	for i := int64(0); i < 10; i++ {
 		round([]int64{50001 + 3*i, 50002 + 3*i, 50003 + 3*i}, true)
 	}
+}
+
+// TestOperateErrorsByIndex holds queue_errors (the console's failures page, at every load;
+// pepsi-queue errors) to the partial indexes of failed, paused, held and cancelled rows: it was
+// one scan of the whole table, done rows and all. Only a status without such an index (pending
+// here) reads the table. Its groups stay what they were: without a status in the filter, the
+// failed and paused rows with an error, per signature; the statuses the filter names otherwise.
+func TestOperateErrorsByIndex(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `ALTER TABLE workqueue SET (autovacuum_enabled = false)`)
+	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'a', 'done' FROM generate_series(1, 20000)`)
+	s.exec(t, `INSERT INTO workqueue (stage, status, state)
+	           SELECT 'a', 'failed', jsonb_build_object('dispatch_error', 'exit status ' || i) FROM generate_series(1, 3) i`)
+	s.exec(t, `INSERT INTO workqueue (stage, status, state) VALUES
+	           ('b', 'paused', '{"dispatch_error": "exit status 9"}'),
+	           ('b', 'failed', '{"dispatch_error": "relay 10.0.0.1:25 down"}'),
+	           ('b', 'held', '{"dispatch_error": "relay 10.0.0.2:25 down"}'),
+	           ('b', 'pending', '{"dispatch_error": "exit status 7"}'),
+	           ('b', 'failed', '{}')`)
+	tx, seqScans := staleStatsTx(t, s)
+	groups := func(filter string) map[string]int64 {
+		t.Helper()
+		rows, err := tx.Query(`SELECT pattern, count FROM queue_errors($1::jsonb)`, filter)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		out := map[string]int64{}
+		for rows.Next() {
+			var p string
+			var n int64
+			if err := rows.Scan(&p, &n); err != nil {
+				t.Fatal(err)
+			}
+			out[p] = n
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		filter string
+		want   map[string]int64
+		scan   bool // a status without a partial index reads the table
+	}{
+		{`{}`, map[string]int64{"exit status <n>": 4, "relay <ip> down": 1}, false},
+		{`{"stage": "b"}`, map[string]int64{"exit status <n>": 1, "relay <ip> down": 1}, false},
+		{`{"signature": "` + errorSignatureOf(t, tx, "exit status 1") + `"}`, map[string]int64{"exit status <n>": 4}, false},
+		{`{"status": "held"}`, map[string]int64{"relay <ip> down": 1}, false},
+		{`{"status": "failed, held"}`, map[string]int64{"exit status <n>": 3, "relay <ip> down": 2}, false},
+		{`{"status": "cancelled"}`, map[string]int64{}, false},
+		{`{"status": "pending,failed", "stage": "b"}`, map[string]int64{"exit status <n>": 1, "relay <ip> down": 1}, true},
+		{`{"status": ""}`, map[string]int64{}, false},
+	} {
+		before := seqScans()
+		if got := groups(tc.filter); !maps.Equal(got, tc.want) {
+			t.Errorf("queue_errors(%s): got %v, want %v", tc.filter, got, tc.want)
+		}
+		if n := seqScans() - before; !tc.scan && n != 0 {
+			t.Errorf("queue_errors(%s) scanned workqueue %d times, want none (the partial indexes of the statuses)", tc.filter, n)
+		}
+	}
+}
+
+// errorSignatureOf is error_signature(text), from the schema.
+func errorSignatureOf(t *testing.T, tx *sql.Tx, text string) string {
+	t.Helper()
+	var sig string
+	if err := tx.QueryRow(`SELECT error_signature($1)`, text).Scan(&sig); err != nil {
+		t.Fatal(err)
+	}
+	return sig
 }
