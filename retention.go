@@ -49,6 +49,7 @@ import (
 const (
 	retentionBatch     = 1000           // rows one statement deletes, at most
 	retentionWindow    = 50_000         // rows one statement looks at, at most
+	retentionWindowMin = 500            // ... at the least, when a statement_timeout cuts it
 	retentionBatches   = 20             // statements per turn, at most
 	retentionEvery     = time.Minute    // one turn per
 	retentionFullEvery = 24 * time.Hour // a full walk per (see the file's comment)
@@ -184,13 +185,23 @@ type refusedRow struct {
 // and where the next turn goes on (after the last statement that committed; 0 when the walk
 // ended), and the rows the database refused to delete.
 func retentionTurn(ctx context.Context, db *sql.DB, w retentionWalk, cursor int64) (res retentionDone) {
-	window := w.window
+	window, widest := w.window, w.window
 	for i := 0; i < w.batches; i++ {
 		skip := w.skip[sort.Search(len(w.skip), func(i int) bool { return w.skip[i] > cursor }):] // those after the cursor
 		var n, lastGone, looked, lastLooked int64
 		var young bool
-		err := db.QueryRowContext(ctx, retentionSQL, w.age.Seconds(), cursor, w.batch, window, idList(skip)).
+		err := db.QueryRowContext(ctx, retentionSQL, w.age.Seconds(), cursor, min(w.batch, window), window, idList(skip)).
 			Scan(&n, &lastGone, &looked, &lastLooked, &young)
+		if cutWaiting(err) && ctx.Err() == nil && window > retentionWindowMin {
+			// A statement_timeout of the role's, the database's or the DSN's shorter than a
+			// window's statement: the same rows again, half as many (and no wider for the rest
+			// of the turn). It failed every turn at the same window, and nothing was deleted
+			// again (TestRetentionPastRoleStatementTimeout).
+			window = max(window/2, retentionWindowMin)
+			widest = window
+			i--
+			continue
+		}
 		deleted, allRefused := n, false
 		if refusesRows(err) && ctx.Err() == nil {
 			var one rowsAlone
@@ -205,21 +216,22 @@ func retentionTurn(ctx context.Context, db *sql.DB, w retentionWalk, cursor int6
 			return res
 		}
 		res.n += deleted
+		batch := int64(min(w.batch, window))
 		switch {
-		case allRefused && n == int64(w.batch):
+		case allRefused && n == batch:
 			// Every row of the batch refused (an application that references all of
 			// them): the turn ends here rather than spend a statement per row on every
 			// batch of it; the next turn goes on after these rows.
 			res.cursor = lastGone
 			return res
-		case n == int64(w.batch):
+		case n == batch:
 			// The window may hold more rows old enough, and they are dense here: the next
 			// statement looks at twice a batch, not at a whole window again for one batch.
-			cursor, window = lastGone, min(w.window, 2*w.batch)
+			cursor, window = lastGone, min(widest, 2*w.batch)
 		case looked < int64(window) || young && !w.full:
 			return res // the end of the table, or of the rows old enough: start over next turn
 		default:
-			cursor, window = lastLooked, w.window
+			cursor, window = lastLooked, widest
 		}
 	}
 	res.cursor = cursor

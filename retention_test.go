@@ -436,3 +436,44 @@ func TestRetentionAllRefused(t *testing.T) {
 		t.Errorf("the retainer remembers %d refused rows, want 12", len(r.refused))
 	}
 }
+
+// TestRetentionPastRoleStatementTimeout: a statement_timeout of the role's (or the database's,
+// or the DSN's) shorter than one window's statement cut it at every turn, at the same window,
+// and retention deleted nothing again while the table grew. A cut window is looked at again at
+// half the size, and the turn deletes.
+func TestRetentionPastRoleStatementTimeout(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `ALTER TABLE workqueue SET (autovacuum_enabled = false)`)
+	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at)
+	           SELECT 'a', 'done', now() - interval '30 days', now() - interval '30 days' FROM generate_series(1, 120000)`)
+	s.exec(t, `VACUUM ANALYZE workqueue`)
+	role := newTestRole(t, s, "rst", `statement_timeout = '5ms'`)
+	db, err := sql.Open("postgres", s.DSN+" user="+role)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	db.SetMaxOpenConns(1) // one session: the premise's and the turn's
+	w := walkOf(24*time.Hour, false)
+	var n, lastGone, looked, lastLooked int64
+	var young bool
+	tx, err := db.Begin() // rolled back: the premise deletes nothing
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = tx.QueryRow(retentionSQL, w.age.Seconds(), 0, w.batch, w.window, "{}").
+		Scan(&n, &lastGone, &looked, &lastLooked, &young)
+	tx.Rollback()
+	if !cutWaiting(err) {
+		t.Fatalf("premise: a window of %d rows should outlast the role's statement_timeout of 5 ms; got %v", w.window, err)
+	}
+	res := retentionTurn(context.Background(), db, w, 0)
+	if res.err != nil {
+		t.Fatalf("retention turn: %v", res.err)
+	}
+	left := s.count(t, `SELECT count(*) FROM workqueue`)
+	t.Logf("the turn deleted %d rows", res.n)
+	if res.n == 0 || int64(left) != 120000-res.n {
+		t.Errorf("the turn deleted %d rows, %d left of 120000", res.n, left)
+	}
+}
