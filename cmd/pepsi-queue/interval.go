@@ -168,8 +168,17 @@ func (iv *interval) sqlStandard(s string) bool {
 	}
 	f := strings.Split(s, " ")
 	if len(f) == 3 {
+		// PostgreSQL writes the three parts only in the mixed form, and then signs each: a part
+		// without its sign ("-1-0 2 0:00:01") is its input's form, where the first sign holds
+		// for all (-1 year -2 days -1 s), which this read as -1 year +2 days +1 s
+		// (FuzzParseInterval).
+		for _, p := range f {
+			if p == "" || (p[0] != '+' && p[0] != '-') {
+				return false
+			}
+		}
 		ym, ok := yearMonth(f[0])
-		if !ok || (f[0][0] != '+' && f[0][0] != '-') {
+		if !ok {
 			return false
 		}
 		d, err := strconv.ParseInt(f[1], 10, 64)
