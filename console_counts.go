@@ -91,11 +91,9 @@ SELECT stage, status, count(*), coalesce(extract(epoch FROM now() - min(created_
         UNION ALL
         SELECT stage, status, created_at FROM workqueue WHERE status = 'pending' AND key_parked
         UNION ALL
-        SELECT stage, status, NULL FROM workqueue WHERE status = 'paused'
-        UNION ALL
         SELECT stage, status, NULL FROM workqueue WHERE status = 'waiting'
         UNION ALL
-        SELECT stage, status, NULL FROM workqueue WHERE status IN ('failed', 'held', 'cancelled')) live
+        SELECT stage, status, NULL FROM workqueue WHERE status IN ('failed', 'paused', 'held', 'cancelled')) live
  GROUP BY stage, status`
 
 // countPerStage counts the rows that are neither done nor running (liveRowsSQL).

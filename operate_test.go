@@ -20,6 +20,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -985,4 +986,96 @@ func errorSignatureOf(t *testing.T, tx *sql.Tx, text string) string {
 		t.Fatal(err)
 	}
 	return sig
+}
+
+// TestOperateSelectByIndex: queue_select (every --all selection of pepsi-queue, the console's
+// search and group actions) reads the failed, paused, held and cancelled rows a filter keeps
+// to from their own index, in id order, a page at a time: a page of "--status failed" or of a
+// signature (failed and paused) was a walk of the table until it had found its rows. Every filter's pages must still be exactly the rows
+// that pass it, in id order, whichever statuses it names.
+func TestOperateSelectByIndex(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `ALTER TABLE workqueue SET (autovacuum_enabled = false)`)
+	s.exec(t, `INSERT INTO workqueue (stage, status, state)
+	           SELECT CASE WHEN i % 2 = 0 THEN 'a' ELSE 'b' END,
+	                  CASE WHEN i % 997 = 0 THEN 'failed' WHEN i % 991 = 0 THEN 'held'
+	                       WHEN i % 983 = 0 THEN 'cancelled' WHEN i % 977 = 0 THEN 'paused'
+	                       WHEN i % 971 = 0 THEN 'pending' ELSE 'done' END,
+	                  CASE WHEN i % 3 = 0 THEN jsonb_build_object('dispatch_error', 'relay 10.0.0.' || i % 7 || ':25 down')
+	                       ELSE jsonb_build_object('dispatch_error', 'exit status ' || i) END
+	             FROM generate_series(1, 30000) i`)
+	tx, seqScans := staleStatsTx(t, s)
+	sig := errorSignatureOf(t, tx, "relay 10.0.0.1:25 down")
+	var stopped int64 // the rows of the indexed statuses: a page reads its statuses' rows at most
+	if err := tx.QueryRow(`SELECT count(*) FROM workqueue WHERE status IN ('failed', 'paused', 'held', 'cancelled')`).Scan(&stopped); err != nil {
+		t.Fatal(err)
+	}
+	ids := func(query string, args ...any) []int64 {
+		t.Helper()
+		rows, err := tx.Query(query, args...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		var out []int64
+		for rows.Next() {
+			var id int64
+			if err := rows.Scan(&id); err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, id)
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		filter string
+		scan   bool // a status without an ordered index (or none named) reads the table
+	}{
+		{`{"status": "failed"}`, false},
+		{`{"status": "failed, held"}`, false},
+		{`{"status": "cancelled", "stage": "b"}`, false},
+		{`{"status": "failed", "id_from": 5000, "id_to": 20000}`, false},
+		{`{"status": "held", "error": "relay"}`, false},
+		{`{"status": ""}`, false},
+		{`{"status": "pending,failed"}`, true},
+		{`{"signature": "` + sig + `"}`, false},
+		{`{"status": "paused,cancelled", "stage": "a"}`, false},
+		{`{"error": "relay", "stage": "a"}`, true},
+		{`{}`, true},
+	} {
+		want := ids(`SELECT w.workqueue_id FROM workqueue w WHERE queue_match(w, $1::jsonb) ORDER BY 1`, tc.filter)
+		var got []int64
+		size := max(7, len(want)/20) // pages of a few rows, and not thousands of pages
+		before, readBefore := seqScans(), tuplesRead(t, tx)
+		for after := int64(0); ; {
+			page := ids(`SELECT queue_select($1::jsonb, $2, $3)`, tc.filter, after, size)
+			got = append(got, page...)
+			if len(page) < size {
+				break
+			}
+			after = page[len(page)-1]
+		}
+		// A walk of the primary key is no sequential scan: the rows it read tell it.
+		if n, read := seqScans()-before, tuplesRead(t, tx)-readBefore; !tc.scan && (n != 0 || read > 2*stopped) {
+			t.Errorf("queue_select(%s) scanned workqueue %d times and read %d rows (%d match), want no scan and no more than the %d rows of the indexed statuses, twice (workqueue_stopped)",
+				tc.filter, n, read, len(want), stopped)
+		}
+		if !slices.Equal(got, want) || (len(want) == 0 && tc.filter != `{"status": ""}`) {
+			t.Errorf("queue_select(%s), pages of %d: got %d ids %v, want %d %v", tc.filter, size, len(got), got, len(want), want)
+		}
+	}
+}
+
+// tuplesRead is how many rows of workqueue the transaction has read so far, by sequential
+// scans and through indexes (pg_stat_xact_user_tables).
+func tuplesRead(t *testing.T, tx *sql.Tx) (n int64) {
+	t.Helper()
+	if err := tx.QueryRow(`SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
+	    FROM pg_stat_xact_user_tables WHERE relid = 'workqueue'::regclass`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
 }

@@ -132,14 +132,16 @@ CREATE OR REPLACE TRIGGER workqueue_run_at BEFORE INSERT ON workqueue
 -- Retry scheduling: the earliest due time and the flip of due rows.
 CREATE INDEX IF NOT EXISTS workqueue_paused ON workqueue (retry_at)
     WHERE status = 'paused';
--- The rows an operator is to look at, failed, held and cancelled, per stage: /metrics and the
--- console count them here, and the pending, paused and waiting rows in the indexes above, so
--- that a count costs the size of those rows, not of the table, whose done rows are kept until
--- RETENTION deletes them (it was a scan of the table at every scrape: 0.4 s on 4 million
--- rows, past /metrics' budget with a few tens of millions; console_counts.go). Only a failure,
--- a hold or a cancel writes an entry, never the claim, an advance or a done.
-CREATE INDEX IF NOT EXISTS workqueue_stopped ON workqueue (stage, status)
-    WHERE status IN ('failed', 'held', 'cancelled');
+-- The rows stopped on an error or by an operator, failed, paused (for a retry), held and
+-- cancelled, in id order per status: /metrics and the console count them here (stage is
+-- included), and the pending and waiting rows in the indexes above, so that a count costs the
+-- size of those rows, not of the table, whose done rows are kept until RETENTION deletes them
+-- (it was a scan of the table at every scrape: 0.4 s on 4 million rows, past /metrics' budget
+-- with a few tens of millions; console_counts.go). queue_errors and queue_select (operate.sql)
+-- read these statuses here, a page of queue_select in id order. Only a failure (a retry's
+-- pause too), a hold or a cancel writes an entry, never the claim, an advance or a done.
+CREATE INDEX IF NOT EXISTS workqueue_stopped ON workqueue (status, workqueue_id) INCLUDE (stage)
+    WHERE status IN ('failed', 'paused', 'held', 'cancelled');
 -- No index on running rows, on purpose: it cost every claim an index insert, and the
 -- planner used it for the stages' outcome UPDATE ... FROM (VALUES ...) by id, scanning every
 -- row in flight for each batch (measured: 56 µs of server time per outcome row in the
