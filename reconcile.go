@@ -70,8 +70,9 @@ func readRunning(ctx context.Context, conn *sql.Conn) ([]*message, error) {
 		wctx, cancel := context.WithTimeout(ctx, dbStatementBudget)
 		err := conn.QueryRowContext(wctx, readRunningSQL, after, window).
 			Scan((*pq.Int64Array)(&ids), (*pq.StringArray)(&stages), (*pq.Int64Array)(&claims), &looked, &last)
+		ours := wctx.Err() != nil // our budget or a shutdown, not the server's timeout; read before cancel
 		cancel()
-		if err != nil && cutWaiting(err) && wctx.Err() == nil && window > runningWindowMin {
+		if err != nil && cutWaiting(err) && !ours && window > runningWindowMin {
 			window = max(window/2, runningWindowMin)
 			continue
 		}
