@@ -440,32 +440,51 @@ func TestRetentionAllRefused(t *testing.T) {
 // TestRetentionPastRoleStatementTimeout: a statement_timeout of the role's (or the database's,
 // or the DSN's) shorter than one window's statement cut it at every turn, at the same window,
 // and retention deleted nothing again while the table grew. A cut window is looked at again at
-// half the size, and the turn deletes.
+// half the size, and the turn deletes. The timeout is the session's here (the same cut, 57014),
+// so that it can follow the machine's speed of the day.
 func TestRetentionPastRoleStatementTimeout(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, `ALTER TABLE workqueue SET (autovacuum_enabled = false)`)
 	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at)
 	           SELECT 'a', 'done', now() - interval '30 days', now() - interval '30 days' FROM generate_series(1, 120000)`)
 	s.exec(t, `VACUUM ANALYZE workqueue`)
-	role := newTestRole(t, s, "rst", `statement_timeout = '5ms'`)
-	db, err := sql.Open("postgres", s.DSN+" user="+role)
+	db, err := sql.Open("postgres", s.DSN)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer db.Close()
-	db.SetMaxOpenConns(1) // one session: the premise's and the turn's
+	db.SetMaxOpenConns(1) // one session: the premise's, its timeout's and the turn's
 	w := walkOf(24*time.Hour, false)
-	var n, lastGone, looked, lastLooked int64
-	var young bool
-	tx, err := db.Begin() // rolled back: the premise deletes nothing
-	if err != nil {
+	window := func() error { // a window's statement, rolled back: the premise deletes nothing
+		tx, err := db.Begin()
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback()
+		var n, lastGone, looked, lastLooked int64
+		var young bool
+		return tx.QueryRow(retentionSQL, w.age.Seconds(), 0, w.batch, w.window, "{}").
+			Scan(&n, &lastGone, &looked, &lastLooked, &young)
+	}
+	// The timeout a quarter of a window's quickest time here, so that a window outlasts it
+	// however fast the machine is today; set on the session, as a role's setting is.
+	took := time.Hour
+	for i := 0; i < 3; i++ {
+		start := time.Now()
+		if err := window(); err != nil {
+			t.Fatal(err)
+		}
+		took = min(took, time.Since(start))
+	}
+	timeout := took / 4
+	if timeout < 2*time.Millisecond {
+		t.Fatalf("premise: a window of %d rows took %v, too short to cut", w.window, took)
+	}
+	if _, err := db.Exec(fmt.Sprintf(`SET statement_timeout = %d`, timeout.Milliseconds())); err != nil {
 		t.Fatal(err)
 	}
-	err = tx.QueryRow(retentionSQL, w.age.Seconds(), 0, w.batch, w.window, "{}").
-		Scan(&n, &lastGone, &looked, &lastLooked, &young)
-	tx.Rollback()
-	if !cutWaiting(err) {
-		t.Fatalf("premise: a window of %d rows should outlast the role's statement_timeout of 5 ms; got %v", w.window, err)
+	if err := window(); !cutWaiting(err) {
+		t.Fatalf("premise: a window of %d rows (%v at its quickest) should outlast statement_timeout = %v; got %v", w.window, took, timeout, err)
 	}
 	res := retentionTurn(context.Background(), db, w, 0)
 	if res.err != nil {
