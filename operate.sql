@@ -180,7 +180,8 @@ $$;
 -- queue_select: the ids passing the filter, after p_after, in id order, at most p_limit: page
 -- through a large selection by passing the last id back as p_after. The failed, paused, held
 -- and cancelled rows a filter keeps to are read in id order from their own index
--- (workqueue_stopped), the others from the primary key, each branch decided once per call:
+-- (workqueue_stopped: one index scan per status asked for, the LATERAL), the others from the
+-- primary key, that branch decided once per call:
 -- a page of "--status failed" was a walk of the table until it had found p_limit failed rows,
 -- all of it for the last page (and for every page when they are sparse). jit = off: a page
 -- gains nothing from it, and a branch's estimate can reach its thresholds.
@@ -188,37 +189,17 @@ CREATE OR REPLACE FUNCTION queue_select(p_filter jsonb DEFAULT '{}', p_after big
                                         p_limit int DEFAULT 1000)
 RETURNS SETOF bigint LANGUAGE sql STABLE SET search_path FROM CURRENT SET jit = off AS $$
     SELECT s.workqueue_id FROM (
-        (SELECT w.workqueue_id FROM workqueue w
-          WHERE w.status = 'failed' AND 'failed' = ANY (queue_select_statuses(p_filter))
-            AND w.workqueue_id > p_after
-            AND w.workqueue_id >= coalesce((p_filter->>'id_from')::bigint, 0)
-            AND w.workqueue_id <= coalesce((p_filter->>'id_to')::bigint, 9223372036854775807)
-            AND queue_match(w, coalesce(p_filter, '{}'))
-          ORDER BY w.workqueue_id LIMIT p_limit)
-        UNION ALL
-        (SELECT w.workqueue_id FROM workqueue w
-          WHERE w.status = 'paused' AND 'paused' = ANY (queue_select_statuses(p_filter))
-            AND w.workqueue_id > p_after
-            AND w.workqueue_id >= coalesce((p_filter->>'id_from')::bigint, 0)
-            AND w.workqueue_id <= coalesce((p_filter->>'id_to')::bigint, 9223372036854775807)
-            AND queue_match(w, coalesce(p_filter, '{}'))
-          ORDER BY w.workqueue_id LIMIT p_limit)
-        UNION ALL
-        (SELECT w.workqueue_id FROM workqueue w
-          WHERE w.status = 'held' AND 'held' = ANY (queue_select_statuses(p_filter))
-            AND w.workqueue_id > p_after
-            AND w.workqueue_id >= coalesce((p_filter->>'id_from')::bigint, 0)
-            AND w.workqueue_id <= coalesce((p_filter->>'id_to')::bigint, 9223372036854775807)
-            AND queue_match(w, coalesce(p_filter, '{}'))
-          ORDER BY w.workqueue_id LIMIT p_limit)
-        UNION ALL
-        (SELECT w.workqueue_id FROM workqueue w
-          WHERE w.status = 'cancelled' AND 'cancelled' = ANY (queue_select_statuses(p_filter))
-            AND w.workqueue_id > p_after
-            AND w.workqueue_id >= coalesce((p_filter->>'id_from')::bigint, 0)
-            AND w.workqueue_id <= coalesce((p_filter->>'id_to')::bigint, 9223372036854775807)
-            AND queue_match(w, coalesce(p_filter, '{}'))
-          ORDER BY w.workqueue_id LIMIT p_limit)
+        SELECT b.workqueue_id
+          FROM unnest('{failed,paused,held,cancelled}'::text[]) st(status)
+         CROSS JOIN LATERAL (
+            SELECT w.workqueue_id FROM workqueue w
+             WHERE w.status = st.status AND w.status IN ('failed', 'paused', 'held', 'cancelled')
+               AND w.workqueue_id > p_after
+               AND w.workqueue_id >= coalesce((p_filter->>'id_from')::bigint, 0)
+               AND w.workqueue_id <= coalesce((p_filter->>'id_to')::bigint, 9223372036854775807)
+               AND queue_match(w, coalesce(p_filter, '{}'))
+             ORDER BY w.workqueue_id LIMIT p_limit) b
+         WHERE st.status = ANY (queue_select_statuses(p_filter))
         UNION ALL
         (SELECT w.workqueue_id FROM workqueue w
           WHERE (queue_select_statuses(p_filter) IS NULL
@@ -641,33 +622,21 @@ LANGUAGE sql STABLE SET search_path FROM CURRENT SET jit = off AS $$
     WITH r AS (
         -- The statuses asked for (without a status in the filter: failed and paused), each
         -- of failed, paused, held and cancelled through the partial index of their rows
-        -- (workqueue_stopped), any other from the whole table. The console's
-        -- failures page runs this at every load, and it was one scan of the table, done rows
-        -- and all (0.9 s on 4 million rows; past the console's 3-second statement timeout with
-        -- a few tens of millions). The branches' status tests do not depend on a row: each is
-        -- decided once per call. Every branch's estimate counts the table-wide one's, which put
-        -- every call past JIT's thresholds (about 250 ms of compiling for a few thousand
-        -- rows): jit = off.
-        SELECT w.workqueue_id, w.stage, coalesce(w.status_at, w.created_at) AS at,
-               w.state->>'dispatch_error' AS err
-          FROM workqueue w
-         WHERE w.status = 'failed' AND 'failed' = ANY (queue_select_statuses(p_filter, '{failed,paused}'))
-           AND w.state ? 'dispatch_error' AND queue_match(w, coalesce(p_filter, '{}'))
-        UNION ALL
-        SELECT w.workqueue_id, w.stage, coalesce(w.status_at, w.created_at), w.state->>'dispatch_error'
-          FROM workqueue w
-         WHERE w.status = 'paused' AND 'paused' = ANY (queue_select_statuses(p_filter, '{failed,paused}'))
-           AND w.state ? 'dispatch_error' AND queue_match(w, coalesce(p_filter, '{}'))
-        UNION ALL
-        SELECT w.workqueue_id, w.stage, coalesce(w.status_at, w.created_at), w.state->>'dispatch_error'
-          FROM workqueue w
-         WHERE w.status = 'held' AND 'held' = ANY (queue_select_statuses(p_filter, '{failed,paused}'))
-           AND w.state ? 'dispatch_error' AND queue_match(w, coalesce(p_filter, '{}'))
-        UNION ALL
-        SELECT w.workqueue_id, w.stage, coalesce(w.status_at, w.created_at), w.state->>'dispatch_error'
-          FROM workqueue w
-         WHERE w.status = 'cancelled' AND 'cancelled' = ANY (queue_select_statuses(p_filter, '{failed,paused}'))
-           AND w.state ? 'dispatch_error' AND queue_match(w, coalesce(p_filter, '{}'))
+        -- (workqueue_stopped: an index scan per status, the LATERAL), any other from the
+        -- whole table, a branch decided once per call. The console's failures page runs this
+        -- at every load, and it was one scan of the table, done rows and all (0.9 s on 4
+        -- million rows; past the console's 3-second statement timeout with a few tens of
+        -- millions). The table-wide branch's estimate put every call past JIT's thresholds
+        -- (about 250 ms of compiling for a few thousand rows): jit = off.
+        SELECT b.*
+          FROM unnest('{failed,paused,held,cancelled}'::text[]) st(status)
+         CROSS JOIN LATERAL (
+            SELECT w.workqueue_id, w.stage, coalesce(w.status_at, w.created_at) AS at,
+                   w.state->>'dispatch_error' AS err
+              FROM workqueue w
+             WHERE w.status = st.status AND w.status IN ('failed', 'paused', 'held', 'cancelled')
+               AND w.state ? 'dispatch_error' AND queue_match(w, coalesce(p_filter, '{}'))) b
+         WHERE st.status = ANY (queue_select_statuses(p_filter, '{failed,paused}'))
         UNION ALL
         SELECT w.workqueue_id, w.stage, coalesce(w.status_at, w.created_at), w.state->>'dispatch_error'
           FROM workqueue w
