@@ -105,10 +105,22 @@ func isTransient(err error) bool {
 // claim takes it for its budget running out, sooner (claim.go: a role with lock_timeout =
 // 100ms made it fail at every held pending row, taken for the database refusing the stage's
 // claim, so it never passed over the row: TestClaimPastRoleLockTimeout); a standby waiting
-// for the lock waits again (standby.go).
+// for the lock waits again (standby.go); a walk of the table halves its window (halvedOnCut).
 func cutWaiting(err error) bool {
 	var pe *pq.Error
 	return errors.As(err, &pe) && (pe.Code == "55P03" || pe.Code == "57014")
+}
+
+// halvedOnCut is the next window of a walk of the table a window per statement (the start's
+// and the reconcile's read of running rows, retention's delete) when err is the server
+// cutting its statement (cutWaiting) and not our own context (ours): half the window, down to
+// floor. False when it is no such cut or the window is floor already. A role's
+// statement_timeout shorter than one window failed those walks at the same window every time.
+func halvedOnCut(err error, ours bool, window, floor int) (int, bool) {
+	if ours || window <= floor || !cutWaiting(err) {
+		return window, false
+	}
+	return max(window/2, floor), true
 }
 
 // isConnLost reports whether err means the connection (or the server) is gone, as opposed to

@@ -72,8 +72,8 @@ func readRunning(ctx context.Context, conn *sql.Conn) ([]*message, error) {
 			Scan((*pq.Int64Array)(&ids), (*pq.StringArray)(&stages), (*pq.Int64Array)(&claims), &looked, &last)
 		ours := wctx.Err() != nil // our budget or a shutdown, not the server's timeout; read before cancel
 		cancel()
-		if err != nil && cutWaiting(err) && !ours && window > runningWindowMin {
-			window = max(window/2, runningWindowMin)
+		if next, ok := halvedOnCut(err, ours, window, runningWindowMin); ok {
+			window = next
 			continue
 		}
 		if err != nil {

@@ -192,13 +192,12 @@ func retentionTurn(ctx context.Context, db *sql.DB, w retentionWalk, cursor int6
 		var young bool
 		err := db.QueryRowContext(ctx, retentionSQL, w.age.Seconds(), cursor, min(w.batch, window), window, idList(skip)).
 			Scan(&n, &lastGone, &looked, &lastLooked, &young)
-		if cutWaiting(err) && ctx.Err() == nil && window > retentionWindowMin {
+		if next, ok := halvedOnCut(err, ctx.Err() != nil, window, retentionWindowMin); ok {
 			// A statement_timeout of the role's, the database's or the DSN's shorter than a
 			// window's statement: the same rows again, half as many (and no wider for the rest
 			// of the turn). It failed every turn at the same window, and nothing was deleted
 			// again (TestRetentionPastRoleStatementTimeout).
-			window = max(window/2, retentionWindowMin)
-			widest = window
+			window, widest = next, next
 			i--
 			continue
 		}
