@@ -159,7 +159,15 @@ func TestControlsPriorityOrder(t *testing.T) {
 
 func ids(t *testing.T, s *testSchema, query string, args ...any) []int64 {
 	t.Helper()
-	rows, err := s.DB.Query(query, args...)
+	return idsOf(t, s.DB, query, args...)
+}
+
+// idsOf runs a query of one bigint column on q (the schema's pool, or a transaction of it).
+func idsOf(t *testing.T, q interface {
+	Query(string, ...any) (*sql.Rows, error)
+}, query string, args ...any) []int64 {
+	t.Helper()
+	rows, err := q.Query(query, args...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,6 +179,9 @@ func ids(t *testing.T, s *testSchema, query string, args ...any) []int64 {
 			t.Fatal(err)
 		}
 		out = append(out, id)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
 	}
 	return out
 }

@@ -1010,26 +1010,7 @@ func TestOperateSelectByIndex(t *testing.T) {
 	if err := tx.QueryRow(`SELECT count(*) FROM workqueue WHERE status IN ('failed', 'paused', 'held', 'cancelled')`).Scan(&stopped); err != nil {
 		t.Fatal(err)
 	}
-	ids := func(query string, args ...any) []int64 {
-		t.Helper()
-		rows, err := tx.Query(query, args...)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer rows.Close()
-		var out []int64
-		for rows.Next() {
-			var id int64
-			if err := rows.Scan(&id); err != nil {
-				t.Fatal(err)
-			}
-			out = append(out, id)
-		}
-		if err := rows.Err(); err != nil {
-			t.Fatal(err)
-		}
-		return out
-	}
+	ids := func(query string, args ...any) []int64 { t.Helper(); return idsOf(t, tx, query, args...) }
 	for _, tc := range []struct {
 		filter string
 		scan   bool // a status without an ordered index (or none named) reads the table

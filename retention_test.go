@@ -468,24 +468,8 @@ func TestRetentionPastRoleStatementTimeout(t *testing.T) {
 	}
 	// The timeout a quarter of a window's quickest time here, so that a window outlasts it
 	// however fast the machine is today; set on the session, as a role's setting is.
-	took := time.Hour
-	for i := 0; i < 3; i++ {
-		start := time.Now()
-		if err := window(); err != nil {
-			t.Fatal(err)
-		}
-		took = min(took, time.Since(start))
-	}
-	timeout := took / 4
-	if timeout < 2*time.Millisecond {
-		t.Fatalf("premise: a window of %d rows took %v, too short to cut", w.window, took)
-	}
-	if _, err := db.Exec(fmt.Sprintf(`SET statement_timeout = %d`, timeout.Milliseconds())); err != nil {
-		t.Fatal(err)
-	}
-	if err := window(); !cutWaiting(err) {
-		t.Fatalf("premise: a window of %d rows (%v at its quickest) should outlast statement_timeout = %v; got %v", w.window, took, timeout, err)
-	}
+	exec := func(q string) error { _, err := db.Exec(q); return err }
+	cutStatement(t, exec, window, 4, fmt.Sprintf("a window of %d rows", w.window))
 	res := retentionTurn(context.Background(), db, w, 0)
 	if res.err != nil {
 		t.Fatalf("retention turn: %v", res.err)

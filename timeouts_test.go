@@ -4,10 +4,38 @@
 package main
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 )
+
+// cutStatement sets a session's statement_timeout (exec runs a statement on that session) to
+// 1/part of stmt's quickest time of three there, so that stmt outlasts it however fast the
+// machine is today, and checks that it does; a role's setting cuts a statement the same way
+// (57014). A fixed timeout cut a window on a slow day and none on a fast one (CI, session 27).
+func cutStatement(t *testing.T, exec func(query string) error, stmt func() error, part int, what string) time.Duration {
+	t.Helper()
+	took := time.Hour
+	for i := 0; i < 3; i++ {
+		start := time.Now()
+		if err := stmt(); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		took = min(took, time.Since(start))
+	}
+	timeout := took / time.Duration(part)
+	if timeout < time.Millisecond {
+		t.Fatalf("premise: %s took %v, too short to cut", what, took)
+	}
+	if err := exec(fmt.Sprintf(`SET statement_timeout = %d`, timeout.Milliseconds())); err != nil {
+		t.Fatal(err)
+	}
+	if err := stmt(); !cutWaiting(err) {
+		t.Fatalf("premise: %s (%v at its quickest) should outlast statement_timeout = %v; err %v", what, took, timeout, err)
+	}
+	return timeout
+}
 
 // TestIdleSessionTimeout runs a pipeline for a role whose idle_session_timeout (PostgreSQL 14)
 // is shorter than the dispatcher's and the workers' idle times, as a DBA sets it to reap
