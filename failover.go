@@ -137,6 +137,33 @@ var outageMarks = []string{
 	"session is read-only",
 }
 
+// noSessionMarks are the texts by which a worker's standard error says that the server would
+// not give it a session: the SDKs' own words for a connect that failed (both write "connect to
+// the database: " and the driver's reason); the connect failures of libpq ("connection to
+// server at …" or "on socket … failed") and psycopg ("connection failed: "), whatever the
+// reason; and the server's refusals of a new session as lib/pq (the SQLSTATE in parentheses)
+// and libpq word them: too many connections (53300: max_connections, or a role's or a
+// database's CONNECTION LIMIT), authentication (28P01, 28000: a password, a pg_hba.conf rule,
+// a role that may not log in), no such database (3D000), a server not accepting connections
+// (57P03) or not reached at all. TestNoSessionTexts has the texts as each words them.
+var noSessionMarks = []string{
+	"connect to the database: ", "connection to server at ", "connection to server on socket ", "connection failed: ",
+	"(53300)", "too many clients already", "too many connections for ", "remaining connection slots are reserved",
+	"(28P01)", "(28000)", "password authentication failed", "no pg_hba.conf entry", "is not permitted to log in",
+	"(3D000)", "(57P03)", "the database system is starting up", "could not connect to any of the hosts",
+}
+
+// isNoSessionText reports whether a line of a worker's standard error says the server would
+// not give it a session.
+func isNoSessionText(s string) bool {
+	for _, m := range noSessionMarks {
+		if strings.Contains(s, m) {
+			return true
+		}
+	}
+	return false
+}
+
 // isOutageText reports whether a worker's failure text names the database's outage.
 func isOutageText(s string) bool {
 	for _, m := range outageMarks {

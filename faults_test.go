@@ -932,6 +932,80 @@ func TestPoisonMessageDoesNotHoldForever(t *testing.T) {
 	d.stop()
 }
 
+// TestWorkerConnectRefusedChargesNothing: a worker that the server will not give a session
+// (here the role's CONNECTION LIMIT, which the dispatcher's own sessions fill; as much a server
+// at max_connections, a changed password or a pg_hba.conf rule) never ran its head message, so
+// its death is the stage's trouble, not the message's: the stage is held, and the head is not
+// failed as the message that kills workers at start (TestPoisonMessageDoesNotHoldForever),
+// however many workers die with it at their head. Once the server lets workers in, the message
+// runs, no attempt charged.
+func TestWorkerConnectRefusedChargesNothing(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	// Not a superuser, whom no CONNECTION LIMIT holds; a member of the schema's owner, so that
+	// the dispatcher may apply the schema at its start.
+	role := "pepsi_cl_" + s.Name
+	s.exec(t, `CREATE ROLE `+role+` LOGIN NOSUPERUSER`)
+	t.Cleanup(func() { s.DB.Exec(`DROP ROLE IF EXISTS ` + role) })
+	var owner string
+	if err := s.DB.QueryRow(`SELECT quote_ident(current_user)`).Scan(&owner); err != nil {
+		t.Fatal(err)
+	}
+	s.exec(t, `GRANT `+owner+`, pg_read_all_settings, pg_signal_backend TO `+role)
+	conf := confAs(baseConf(s, ""), s, role) +
+		stageConf(t, "a", "", "PARALLELISM = 1\nMAX_ATTEMPTS = 2\nRETRY_DELAY = 0.2")
+	d := startDaemon(t, conf, "pipeline")
+	d.waitLog("msg=dispatching", 30*time.Second)
+	// The dispatcher's sessions, and not one more: its workers start on demand, none yet.
+	sessions := s.count(t, `SELECT count(*) FROM pg_stat_activity WHERE usename = $1`, role)
+	s.exec(t, fmt.Sprintf(`ALTER ROLE %s CONNECTION LIMIT %d`, role, sessions))
+	id := insertOne(t, s, "a", `{}`)
+	// Three workers refused, each with the message at its head: the rule for a message that
+	// kills workers at start failed a head that two in a row had.
+	waitFor(t, 60*time.Second, "three workers refused by the server", func() bool {
+		return strings.Count(d.log.String(), "too many connections for role") >= 3
+	})
+	if r := row(t, s, id); r.attempts != 0 || r.status == "failed" || r.status == "paused" {
+		t.Fatalf("message %d: status %s, %d attempts, reason %q: charged for workers that had no session",
+			id, r.status, r.attempts, r.reason)
+	}
+	d.waitLog("worker could not get a database session; stage held", time.Second)
+	s.exec(t, `ALTER ROLE `+role+` CONNECTION LIMIT -1`)
+	waitFor(t, 90*time.Second, "message done once workers may connect", func() bool { return row(t, s, id).status == "done" })
+	if r := row(t, s, id); r.attempts != 0 {
+		t.Errorf("message done after %d attempts, want 0", r.attempts)
+	}
+	d.stop()
+}
+
+// TestNoSessionTexts: the lines by which workers say the server gave them no session, as the
+// Go SDK (lib/pq), the Python SDK (psycopg) and a libpq program (psql here) wrote them against
+// PostgreSQL 15, are told from lines of a worker that had one.
+func TestNoSessionTexts(t *testing.T) {
+	for _, c := range []struct {
+		line string
+		want bool
+	}{
+		{`connect to the database: pq: too many connections for role "pepsi" (53300)`, true},
+		{`connect to the database: pq: role "nosuchrole" does not exist (28000)`, true},
+		{`pepsi_stage a: connect to the database: connection failed: FATAL:  too many connections for role "pepsi"`, true},
+		{`connection failed: FATAL:  database "nosuchdb" does not exist`, true},
+		{`psql: error: connection to server on socket "/tmp/pgx/.s.PGSQL.23383" failed: FATAL:  too many connections for role "zlim"`, true},
+		{`psql: error: connection to server at "127.0.0.1", port 1 failed: Connection refused`, true},
+		{`FATAL:  sorry, too many clients already`, true},
+		{`FATAL:  remaining connection slots are reserved for non-replication superuser connections`, true},
+		{`pq: password authentication failed for user "pepsi" (28P01)`, true},
+		{`decode payload: invalid character 'x' looking for beginning of value`, false},
+		{`pq: relation "orders" does not exist (42P01)`, false},
+		{`pq: division by zero (22012)`, false},
+		{`server closed the connection unexpectedly`, false}, // a session it had: an outage's (isOutageText)
+	} {
+		if got := isNoSessionText(c.line); got != c.want {
+			t.Errorf("isNoSessionText(%q) = %v, want %v", c.line, got, c.want)
+		}
+	}
+}
+
 // TestDeferHonoured: a row the stage itself paused (a defer) is returned to pending when due,
 // from the due time the claim reports: POLL_INTERVAL is long here, so no heartbeat helps.
 func TestDeferHonoured(t *testing.T) {

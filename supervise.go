@@ -215,10 +215,16 @@ func (c *coordinator) onExit(ev workerExit) {
 	// switch's cases are pure predicates and their order alone decides.
 	// A worker that lost its session to a database outage is neither a program that cannot
 	// start nor one that a message crashed (failover.go).
-	outage := ev.outage && c.outageWorker(w)
+	outage := ev.signs.outage && c.outageWorker(w)
 	atStart := diedAtStart(w, now) && !outage
+	// A worker that the server refused a session at its start never ran its head message:
+	// however many die so with the same head (the claim's order gives it to each), the head is
+	// not the message that kills the stage's workers. The server's refusal (a role's
+	// CONNECTION LIMIT, max_connections, a password) is the stage's trouble, as a program that
+	// cannot start is (TestWorkerConnectRefusedChargesNothing).
+	noSession := atStart && ev.signs.noSession
 	poison := false
-	if atStart && len(q) > 0 {
+	if atStart && !noSession && len(q) > 0 {
 		poison = c.recordStartupDeath(w, q[0])
 	}
 	switch {
@@ -226,7 +232,7 @@ func (c *coordinator) onExit(ev workerExit) {
 		if w.fate == fateNone {
 			log.Warn("worker exited on its own", "reason", reason, "answered", w.answered)
 			if atStart {
-				c.holdStage(w, reason, now)
+				c.holdStage(w, reason, noSession, now)
 			}
 		} else {
 			log.Debug("worker stopped", "reason", reason, "answered", w.answered)
@@ -244,7 +250,7 @@ func (c *coordinator) onExit(ev workerExit) {
 		// The resets are guarded by the claim: a cancelled head is left as the operator left it.
 		c.resets = append(c.resets, q...)
 	case atStart && !poison:
-		c.holdStage(w, reason, now)
+		c.holdStage(w, reason, noSession, now)
 		c.resets = append(c.resets, q...)
 	case ev.state != nil && ev.state.Success():
 		log.Warn("worker exited without answering all its messages; they go back to pending", "unanswered", len(q))
@@ -286,15 +292,18 @@ func (c *coordinator) recordStartupDeath(w *worker, head *message) bool {
 }
 
 // holdStage puts a stage whose worker could not get going on cool-down.
-func (c *coordinator) holdStage(w *worker, reason string, now time.Time) {
+func (c *coordinator) holdStage(w *worker, reason string, noSession bool, now time.Time) {
 	p := c.pools[w.stage]
 	if p == nil || p.gen != w.gen {
 		return
 	}
 	d := p.hold(now)
 	c.timers.schedule(timerKey{timerHold, p.id}, p.holdUntil)
-	c.log.Error("worker died before answering its first message; stage held, its rows stay pending",
-		"stage", w.stage, "pid", w.pid, "reason", reason, "hold", d)
+	msg := "worker died before answering its first message; stage held, its rows stay pending"
+	if noSession {
+		msg = "worker could not get a database session; stage held, its rows stay pending, no attempt charged"
+	}
+	c.log.Error(msg, "stage", w.stage, "pid", w.pid, "reason", reason, "hold", d)
 }
 
 // held reports whether the stage is cooling down.

@@ -90,9 +90,19 @@ type workerExit struct {
 	w     *worker
 	state *os.ProcessState // nil if Wait itself failed
 	err   error
-	// outage: its standard error said its database session was cut or refused by a failover
-	// (isOutageText): its death is the outage's, not its message's.
+	// signs: what its standard error said of its database session (logLoop).
+	signs stderrSigns
+}
+
+// stderrSigns is what a worker's standard error said of its database session.
+type stderrSigns struct {
+	// outage: its session was cut or refused by a failover (isOutageText): its death is the
+	// outage's, not its message's.
 	outage bool
+	// noSession: the server would not give it a session (isNoSessionText): a worker that dies
+	// of that at its start never ran its head message, so the head is not the message that
+	// kills the stage's workers (supervise.go).
+	noSession bool
 }
 
 // startWorker starts PROGRAM for stage s. The replies and the exit are sent to events; the
@@ -149,9 +159,9 @@ func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- event, l
 	logDone := make(chan struct{})
 	wg.Add(3)
 	go func() { defer wg.Done(); defer close(readDone); w.readLoop(ctx, outR, events) }()
-	var outage bool // written by logLoop's goroutine, read by waitLoop's after logDone
-	go func() { defer wg.Done(); defer close(logDone); outage = logLoop(errR, wlog) }()
-	go func() { defer wg.Done(); w.waitLoop(ctx, events, readDone, logDone, outR, errR, &outage) }()
+	var signs stderrSigns // written by logLoop's goroutine, read by waitLoop's after logDone
+	go func() { defer wg.Done(); defer close(logDone); signs = logLoop(errR, wlog) }()
+	go func() { defer wg.Done(); w.waitLoop(ctx, events, readDone, logDone, outR, errR, &signs) }()
 	return w, nil
 }
 
@@ -225,7 +235,7 @@ func readReplyLine(r *bufio.Reader) (string, error) {
 }
 
 // waitLoop waits for the process to exit and for its output to be read, then reports the exit.
-func (w *worker) waitLoop(ctx context.Context, events chan<- event, readDone, logDone <-chan struct{}, outR, errR *os.File, outage *bool) {
+func (w *worker) waitLoop(ctx context.Context, events chan<- event, readDone, logDone <-chan struct{}, outR, errR *os.File, signs *stderrSigns) {
 	err := w.cmd.Wait()
 	// Wait returns when the process exits; its stdout may still hold replies we must deliver
 	// before the exit, and a grandchild may hold the pipes open: kill the group, then force EOF.
@@ -254,23 +264,25 @@ func (w *worker) waitLoop(ctx context.Context, events chan<- event, readDone, lo
 		state, err = w.cmd.ProcessState, nil
 	}
 	select {
-	case events <- workerExit{w: w, state: state, err: err, outage: *outage}:
+	case events <- workerExit{w: w, state: state, err: err, signs: *signs}:
 	case <-ctx.Done():
 	}
 }
 
 // logLoop copies the worker's standard error to the log, one record per line, and reports
-// whether a line named a database outage (a stage that lost its session says why, then exits).
-func logLoop(errR *os.File, log *slog.Logger) (outage bool) {
+// whether a line named a database outage or a session the server refused (a stage that lost
+// its session, or could not make it, says why, then exits).
+func logLoop(errR *os.File, log *slog.Logger) (signs stderrSigns) {
 	sc := bufio.NewScanner(errR)
 	sc.Buffer(make([]byte, 4096), 64<<10)
 	for sc.Scan() {
 		log.Warn("worker stderr", "line", sc.Text())
-		outage = outage || isOutageText(sc.Text())
+		signs.outage = signs.outage || isOutageText(sc.Text())
+		signs.noSession = signs.noSession || isNoSessionText(sc.Text())
 	}
 	// A line longer than the buffer ends the scan; keep draining so the worker never blocks.
 	io.Copy(io.Discard, errR)
-	return outage
+	return signs
 }
 
 // send writes the ids of msgs to the worker's stdin in one write. It never blocks for long:
