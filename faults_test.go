@@ -978,6 +978,79 @@ func TestWorkerConnectRefusedChargesNothing(t *testing.T) {
 	d.stop()
 }
 
+// brokenWorker is a stage program deployed broken: while the file TEST_STAGE_BROKEN names
+// exists (not a PEPSI_ variable: the dispatcher sets its workers' own), it exits at its start
+// before reading standard input, as a program that does not load does (a missing library, a
+// handler that does not import); then it is pipelineWorker.
+func brokenWorker() int {
+	if _, err := os.Stat(os.Getenv("TEST_STAGE_BROKEN")); err == nil {
+		fmt.Fprintln(os.Stderr, "cannot load the handler: broken deploy")
+		return 1
+	}
+	return pipelineWorker()
+}
+
+func init() { testWorkers["broken"] = brokenWorker }
+
+// TestBrokenProgramChargesNothing: a stage program that dies at its start before reading any
+// id never ran its head message, so however many of its workers die with the same message at
+// their head, the message is not failed as one that kills workers at start
+// (TestPoisonMessageDoesNotHoldForever, whose workers read it): the stage is held, cool-down
+// after cool-down, and once the program is mended the message runs, no attempt charged.
+func TestBrokenProgramChargesNothing(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	broken := writeFile(t, testDir(t), "broken", "")
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nMAX_ATTEMPTS = 2\nRETRY_DELAY = 0.2"),
+		"broken", "TEST_STAGE_BROKEN="+broken)
+	id := insertOne(t, s, "a", `{}`)
+	waitFor(t, 60*time.Second, "three workers dead at start", func() bool {
+		return strings.Count(d.log.String(), "broken deploy") >= 3
+	})
+	if r := row(t, s, id); r.attempts != 0 || r.status == "failed" || r.status == "paused" {
+		t.Fatalf("message %d: status %s, %d attempts, reason %q: charged for workers that never read it",
+			id, r.status, r.attempts, r.reason)
+	}
+	d.waitLog("worker died before reading its messages; stage held", time.Second)
+	if err := os.Remove(broken); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 90*time.Second, "message done once the program is mended", func() bool { return row(t, s, id).status == "done" })
+	if r := row(t, s, id); r.attempts != 0 {
+		t.Errorf("message done after %d attempts, want 0", r.attempts)
+	}
+	d.stop()
+}
+
+// TestScriptRefusedChargesNothing: a stage program that reads its id before it connects, a
+// shell script running psql here, tells the server's refusal only on its standard error (it
+// read the id): that line spares its head as TestWorkerConnectRefusedChargesNothing's workers,
+// which never read theirs, are spared. The refusal is a database that does not exist.
+func TestScriptRefusedChargesNothing(t *testing.T) {
+	psql, err := exec.LookPath("psql")
+	if err != nil {
+		t.Skip("psql is not on PATH")
+	}
+	s := newTestSchema(t)
+	dir := testDir(t)
+	script := writeFile(t, dir, "stage.sh", fmt.Sprintf("#!/bin/sh\nread id\nexec %s \"$PEPSI_DSN dbname=pepsi_no_such_database\" -c 'SELECT 1'\n", psql))
+	if err := os.Chmod(script, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	conf := baseConf(s, "") + fmt.Sprintf("[stage-a]\nPROGRAM = %s\nPARALLELISM = 1\nMAX_ATTEMPTS = 2\nRETRY_DELAY = 0.2\n", script)
+	d := startDaemon(t, conf, "none")
+	id := insertOne(t, s, "a", `{}`)
+	waitFor(t, 60*time.Second, "three workers refused by the server", func() bool {
+		return strings.Count(d.log.String(), `database \"pepsi_no_such_database\" does not exist`) >= 3
+	})
+	if r := row(t, s, id); r.attempts != 0 || r.status == "failed" || r.status == "paused" {
+		t.Fatalf("message %d: status %s, %d attempts, reason %q: charged for workers that had no session",
+			id, r.status, r.attempts, r.reason)
+	}
+	d.waitLog("worker could not get a database session; stage held", time.Second)
+	d.stop()
+}
+
 // TestNoSessionTexts: the lines by which workers say the server gave them no session, as the
 // Go SDK (lib/pq), the Python SDK (psycopg) and a libpq program (psql here) wrote them against
 // PostgreSQL 15, are told from lines of a worker that had one.

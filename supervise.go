@@ -202,6 +202,7 @@ func (c *coordinator) onExit(ev workerExit) {
 	for _, k := range []timerKind{timerIdle, timerWatchdog, timerLinger} {
 		c.timers.cancel(timerKey{k, w.id})
 	}
+	readNone := w.readNone() // asked through our end of its stdin: before closing it
 	w.closeStdin()
 	q := w.queue
 	w.queue = nil
@@ -217,14 +218,16 @@ func (c *coordinator) onExit(ev workerExit) {
 	// start nor one that a message crashed (failover.go).
 	outage := ev.signs.outage && c.outageWorker(w)
 	atStart := diedAtStart(w, now) && !outage
-	// A worker that the server refused a session at its start never ran its head message:
-	// however many die so with the same head (the claim's order gives it to each), the head is
-	// not the message that kills the stage's workers. The server's refusal (a role's
-	// CONNECTION LIMIT, max_connections, a password) is the stage's trouble, as a program that
-	// cannot start is (TestWorkerConnectRefusedChargesNothing).
+	// A worker that died at its start without reading any of its ids, or that the server
+	// refused a session, never ran its head message: however many die so with the same head
+	// (the claim's order gives it to each), the head is not the message that kills the stage's
+	// workers. A program that does not load, or a server's refusal (a role's CONNECTION LIMIT,
+	// max_connections, a password), is the stage's trouble (TestBrokenProgramChargesNothing,
+	// TestWorkerConnectRefusedChargesNothing).
 	noSession := atStart && ev.signs.noSession
+	spared := atStart && (readNone || noSession)
 	poison := false
-	if atStart && !noSession && len(q) > 0 {
+	if atStart && !spared && len(q) > 0 {
 		poison = c.recordStartupDeath(w, q[0])
 	}
 	switch {
@@ -232,7 +235,7 @@ func (c *coordinator) onExit(ev workerExit) {
 		if w.fate == fateNone {
 			log.Warn("worker exited on its own", "reason", reason, "answered", w.answered)
 			if atStart {
-				c.holdStage(w, reason, noSession, now)
+				c.holdStage(w, reason, startDeath{readNone: readNone, noSession: noSession}, now)
 			}
 		} else {
 			log.Debug("worker stopped", "reason", reason, "answered", w.answered)
@@ -250,7 +253,7 @@ func (c *coordinator) onExit(ev workerExit) {
 		// The resets are guarded by the claim: a cancelled head is left as the operator left it.
 		c.resets = append(c.resets, q...)
 	case atStart && !poison:
-		c.holdStage(w, reason, noSession, now)
+		c.holdStage(w, reason, startDeath{readNone: readNone, noSession: noSession}, now)
 		c.resets = append(c.resets, q...)
 	case ev.state != nil && ev.state.Success():
 		log.Warn("worker exited without answering all its messages; they go back to pending", "unanswered", len(q))
@@ -292,7 +295,13 @@ func (c *coordinator) recordStartupDeath(w *worker, head *message) bool {
 }
 
 // holdStage puts a stage whose worker could not get going on cool-down.
-func (c *coordinator) holdStage(w *worker, reason string, noSession bool, now time.Time) {
+// startDeath is what is known of a worker that died at its start, for the log.
+type startDeath struct {
+	readNone  bool // it read none of its ids
+	noSession bool // the server gave it no session
+}
+
+func (c *coordinator) holdStage(w *worker, reason string, how startDeath, now time.Time) {
 	p := c.pools[w.stage]
 	if p == nil || p.gen != w.gen {
 		return
@@ -300,8 +309,11 @@ func (c *coordinator) holdStage(w *worker, reason string, noSession bool, now ti
 	d := p.hold(now)
 	c.timers.schedule(timerKey{timerHold, p.id}, p.holdUntil)
 	msg := "worker died before answering its first message; stage held, its rows stay pending"
-	if noSession {
+	switch {
+	case how.noSession:
 		msg = "worker could not get a database session; stage held, its rows stay pending, no attempt charged"
+	case how.readNone:
+		msg = "worker died before reading its messages; stage held, its rows stay pending, no attempt charged"
 	}
 	c.log.Error(msg, "stage", w.stage, "pid", w.pid, "reason", reason, "hold", d)
 }

@@ -24,6 +24,7 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unsafe"
 )
 
 // replyMaxLine bounds one status line. Replies are a status and a short reason; a longer line
@@ -70,6 +71,7 @@ type worker struct {
 	queue     []*message // in flight, head first
 	headAt    time.Time  // when queue[0] became the head (MAX_RUNTIME counts from here)
 	sent      int        // messages written to it (MAX_MESSAGES)
+	written   int64      // bytes of ids written to its stdin (readNone)
 	answered  int        // status lines read
 	idleSince time.Time
 	state     workerState
@@ -293,8 +295,40 @@ func (w *worker) send(msgs []*message, buf []byte) ([]byte, error) {
 		buf = strconv.AppendInt(buf, m.id, 10)
 		buf = append(buf, '\n')
 	}
-	_, err := w.stdin.Write(buf)
+	n, err := w.stdin.Write(buf)
+	w.written += int64(n)
 	return buf, err
+}
+
+// readNone reports whether the worker, gone, read none of the ids written to it: they are all
+// still in its stdin pipe, as the kernel counts through the write end we hold (FIONREAD). Such
+// a worker never ran a message, whatever killed it (supervise.go). False when that cannot be
+// told: our end closed already, or the count refused.
+func (w *worker) readNone() bool {
+	if w.stdin == nil || w.written == 0 {
+		return false
+	}
+	n, err := pipeUnread(w.stdin)
+	return err == nil && int64(n) == w.written
+}
+
+// pipeUnread returns the bytes written to the pipe of f (either end) and not read yet.
+func pipeUnread(f *os.File) (int, error) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var n int32
+	var errno syscall.Errno
+	if err := rc.Control(func(fd uintptr) {
+		_, _, errno = syscall.Syscall(syscall.SYS_IOCTL, fd, syscall.TIOCINQ, uintptr(unsafe.Pointer(&n)))
+	}); err != nil {
+		return 0, err
+	}
+	if errno != 0 {
+		return 0, errno
+	}
+	return int(n), nil
 }
 
 // closeStdin tells the worker that no more ids will come: it finishes its queue and exits.
