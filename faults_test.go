@@ -960,22 +960,29 @@ func TestWorkerConnectRefusedChargesNothing(t *testing.T) {
 	sessions := s.count(t, `SELECT count(*) FROM pg_stat_activity WHERE usename = $1`, role)
 	s.exec(t, fmt.Sprintf(`ALTER ROLE %s CONNECTION LIMIT %d`, role, sessions))
 	id := insertOne(t, s, "a", `{}`)
-	// Three workers refused, each with the message at its head: the rule for a message that
-	// kills workers at start failed a head that two in a row had.
-	waitFor(t, 60*time.Second, "three workers refused by the server", func() bool {
-		return strings.Count(d.log.String(), "too many connections for role") >= 3
-	})
-	if r := row(t, s, id); r.attempts != 0 || r.status == "failed" || r.status == "paused" {
-		t.Fatalf("message %d: status %s, %d attempts, reason %q: charged for workers that had no session",
-			id, r.status, r.attempts, r.reason)
-	}
-	d.waitLog("worker could not get a database session; stage held", time.Second)
+	heldUncharged(t, d, s, id, "too many connections for role", "worker could not get a database session; stage held")
 	s.exec(t, `ALTER ROLE `+role+` CONNECTION LIMIT -1`)
 	waitFor(t, 90*time.Second, "message done once workers may connect", func() bool { return row(t, s, id).status == "done" })
 	if r := row(t, s, id); r.attempts != 0 {
 		t.Errorf("message done after %d attempts, want 0", r.attempts)
 	}
 	d.stop()
+}
+
+// heldUncharged waits until the daemon's log has a word of three dead workers' standard error
+// (each died at its start with message id at its head: the rule for a message that kills
+// workers at start failed a head that two in a row had), then checks that id was charged
+// nothing and that the log said why the stage was held (line).
+func heldUncharged(t *testing.T, d *daemon, s *testSchema, id int64, word, line string) {
+	t.Helper()
+	waitFor(t, 60*time.Second, "three workers dead at start", func() bool {
+		return strings.Count(d.log.String(), word) >= 3
+	})
+	if r := row(t, s, id); r.attempts != 0 || r.status == "failed" || r.status == "paused" {
+		t.Fatalf("message %d: status %s, %d attempts, reason %q: charged for workers that never ran it",
+			id, r.status, r.attempts, r.reason)
+	}
+	d.waitLog(line, time.Second)
 }
 
 // brokenWorker is a stage program deployed broken: while the file TEST_STAGE_BROKEN names
@@ -1004,14 +1011,7 @@ func TestBrokenProgramChargesNothing(t *testing.T) {
 	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nMAX_ATTEMPTS = 2\nRETRY_DELAY = 0.2"),
 		"broken", "TEST_STAGE_BROKEN="+broken)
 	id := insertOne(t, s, "a", `{}`)
-	waitFor(t, 60*time.Second, "three workers dead at start", func() bool {
-		return strings.Count(d.log.String(), "broken deploy") >= 3
-	})
-	if r := row(t, s, id); r.attempts != 0 || r.status == "failed" || r.status == "paused" {
-		t.Fatalf("message %d: status %s, %d attempts, reason %q: charged for workers that never read it",
-			id, r.status, r.attempts, r.reason)
-	}
-	d.waitLog("worker died before reading its messages; stage held", time.Second)
+	heldUncharged(t, d, s, id, "broken deploy", "worker died before reading its messages; stage held")
 	if err := os.Remove(broken); err != nil {
 		t.Fatal(err)
 	}
@@ -1040,14 +1040,8 @@ func TestScriptRefusedChargesNothing(t *testing.T) {
 	conf := baseConf(s, "") + fmt.Sprintf("[stage-a]\nPROGRAM = %s\nPARALLELISM = 1\nMAX_ATTEMPTS = 2\nRETRY_DELAY = 0.2\n", script)
 	d := startDaemon(t, conf, "none")
 	id := insertOne(t, s, "a", `{}`)
-	waitFor(t, 60*time.Second, "three workers refused by the server", func() bool {
-		return strings.Count(d.log.String(), `database \"pepsi_no_such_database\" does not exist`) >= 3
-	})
-	if r := row(t, s, id); r.attempts != 0 || r.status == "failed" || r.status == "paused" {
-		t.Fatalf("message %d: status %s, %d attempts, reason %q: charged for workers that had no session",
-			id, r.status, r.attempts, r.reason)
-	}
-	d.waitLog("worker could not get a database session; stage held", time.Second)
+	heldUncharged(t, d, s, id, `database \"pepsi_no_such_database\" does not exist`,
+		"worker could not get a database session; stage held")
 	d.stop()
 }
 
