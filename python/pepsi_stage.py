@@ -23,7 +23,8 @@ The batch. Every id already waiting on standard input (at least one, at most 256
 batch, and its status lines are written together at its end:
 
 * one load ``SELECT ... FROM workqueue WHERE workqueue_id = ANY($ids) AND status = 'running'
-  AND stage = $stage`` (an id it does not return is answered "1 ... (claim lost)");
+  AND stage = $stage`` (``workqueue_id = $id`` for a batch of one; an id it does not return is
+  answered "1 ... (claim lost)");
 * for each message, in order, the handler. Its statements (Message.execute) run in a
   savepoint of its own, opened lazily before its first statement (the batch's first savepoint
   also sends BEGIN): a handler that raises has its writes rolled back to that savepoint, and

@@ -140,6 +140,7 @@
 //
 //	SELECT workqueue_id, attempts, payload, state FROM workqueue
 //	 WHERE workqueue_id = ANY($ids) AND status = 'running' AND stage = $stage
+//	  (workqueue_id = $id for a batch of one)
 //	for each id, in order: the handler, its own statements inside a SAVEPOINT of its own
 //	  (the first SAVEPOINT of the batch is sent as BEGIN ISOLATION LEVEL READ COMMITTED;
 //	  SAVEPOINT …),
