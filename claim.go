@@ -597,7 +597,7 @@ func (c *coordinator) claim() {
 		if p.held(now) || p.cfg.Paused || now.Before(p.refusedUntil) {
 			continue
 		}
-		if free := p.cfg.Capacity() - c.inflight[name]; free > 0 {
+		if free := p.capacity() - c.inflight[name]; free > 0 {
 			c.want[name] = free
 		}
 	}

@@ -48,8 +48,9 @@ const (
 	minSpanDefault     = 1000
 
 	// queueLimitMax bounds QUEUE_LIMIT so that a worker's whole pipeline of ids (at most
-	// 21 bytes each) always fits in a pipe buffer (64 KiB on Linux): the coordinator's write
-	// to a worker's stdin then never blocks, whatever the worker does.
+	// 21 bytes each) fits in a pipe buffer of 64 KiB, Linux's default: the coordinator's write
+	// to a worker's stdin then never blocks, whatever the worker does. A smaller pipe (8 KiB
+	// past a user's 1,024 pipes) lowers the worker's own limit (pipeLimit, worker.go).
 	queueLimitMax = 1000
 )
 
@@ -123,9 +124,6 @@ type StageConfig struct {
 
 	origin map[string]string // key (and "" for the section) -> "FILE:LINE" for errors
 }
-
-// Capacity is the number of messages the stage may have in flight.
-func (s *StageConfig) Capacity() int { return s.Parallelism * s.QueueLimit }
 
 // equal reports whether two stage configurations would run workers identically.
 func (s *StageConfig) equal(o *StageConfig) bool {

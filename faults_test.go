@@ -11,9 +11,11 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"io"
 	"maps"
 	"os"
 	"os/exec"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -1042,6 +1044,99 @@ func TestScriptRefusedChargesNothing(t *testing.T) {
 	id := insertOne(t, s, "a", `{}`)
 	heldUncharged(t, d, s, id, `database \"pepsi_no_such_database\" does not exist`,
 		"worker could not get a database session; stage held")
+	d.stop()
+}
+
+// pipeHog opens pipes until Linux gives it small ones (fs.pipe-user-pages-soft: past 1,024
+// pipes of 64 KiB, a user without CAP_SYS_RESOURCE gets 8 KiB ones), says the size it got on
+// standard output ("small N", or "none" after 16,000 pipes), and keeps them open until its
+// standard input ends. Run as the daemon's USER, it makes that user's further pipes small.
+func pipeHog() int {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err == nil {
+		lim.Cur = lim.Max
+		syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim)
+	}
+	var keep []*os.File
+	said := "none"
+	for range 8000 {
+		r, w, err := os.Pipe()
+		if err != nil {
+			said = "error " + err.Error()
+			break
+		}
+		keep = append(keep, r, w)
+		if n := pipeSize(w); n > 0 && n < 64<<10 {
+			said = fmt.Sprintf("small %d", n)
+			break
+		}
+	}
+	fmt.Println(said)
+	io.Copy(io.Discard, os.Stdin)
+	runtime.KeepAlive(keep)
+	return 0
+}
+
+func init() { testWorkers["pipe-hog"] = pipeHog }
+
+// pipeSize is F_GETPIPE_SZ of f's pipe, 0 if unknown.
+func pipeSize(f *os.File) int {
+	n, _, errno := syscall.Syscall(syscall.SYS_FCNTL, f.Fd(), fGetPipeSize, 0)
+	if errno != 0 {
+		return 0
+	}
+	return int(n)
+}
+
+// TestSmallPipeNeverBlocks: the loop writes a worker's ids itself, so a write into a stdin
+// pipe that cannot hold them would wait until the worker reads, which a worker running a long
+// message does not do: meanwhile no other stage was claimed. Pipes are small (8 KiB) once the
+// daemon's user has 1,024 open, which a helper running as that user makes so here; a worker
+// that hangs on its first message is then sent 999 more ids of 17 digits (17 KB), and another
+// stage's message must still be done. Each worker is given no more ids than its pipe holds.
+func TestSmallPipeNeverBlocks(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root, to run a helper as the daemon's USER (nobody)")
+	}
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	hog := exec.Command(testWorkerBin(t))
+	hog.Env = append(os.Environ(), "PEPSI_TEST_WORKER=pipe-hog", "PEPSI_STAGE=hog")
+	hog.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	hogIn, err := hog.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	hogOut, err := hog.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := hog.Start(); err != nil {
+		t.Fatalf("start the pipe hog as nobody: %v", err)
+	}
+	t.Cleanup(func() { hogIn.Close(); hog.Wait() })
+	said, err := bufio.NewReader(hogOut).ReadString('\n')
+	if err != nil {
+		t.Fatalf("read the pipe hog: %v", err)
+	}
+	if !strings.HasPrefix(said, "small ") {
+		t.Skipf("this kernel gives nobody no small pipes (the hog says %q)", strings.TrimSpace(said))
+	}
+	conf := baseConf(s, "") + stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 1000") +
+		stageConf(t, "b", "", "PARALLELISM = 1")
+	d := startDaemon(t, conf, "pipeline")
+	hung := insertOne(t, s, "a", `{"hang_at": "a"}`)
+	waitFor(t, 30*time.Second, "the first message running", func() bool { return row(t, s, hung).status == "running" })
+	s.exec(t, `INSERT INTO workqueue (workqueue_id, stage, payload) SELECT 10000000000000000 + g, 'a', '{}' FROM generate_series(1, 999) g`)
+	waitFor(t, 30*time.Second, "ids handed to the hung worker", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE stage = 'a' AND status = 'running'`) > 1
+	})
+	other := insertOne(t, s, "b", `{}`)
+	waitFor(t, 30*time.Second, "the other stage's message done", func() bool { return row(t, s, other).status == "done" })
+	if st := row(t, s, hung).status; st != "running" {
+		t.Errorf("the hung message is %s, want still running", st)
+	}
+	d.waitLog("a worker's stdin pipe holds fewer ids than QUEUE_LIMIT", time.Second)
 	d.stop()
 }
 

@@ -41,6 +41,9 @@ type pool struct {
 	// its worker, not for a program that cannot start: it fails like a crash, so one poison
 	// message cannot hold its stage for ever.
 	startupHead int64
+
+	// smallPipeSaid: a worker's stdin pipe that holds fewer than QUEUE_LIMIT ids was logged.
+	smallPipeSaid bool
 }
 
 // fuseList returns PEPSI_FUSE for stage name: every FUSE = yes stage reachable from it through
@@ -84,7 +87,21 @@ func (p *pool) room(w *worker) int {
 	if w.state != workerRunning {
 		return 0
 	}
-	return min(p.cfg.QueueLimit-len(w.queue), p.cfg.MaxMessages-w.sent)
+	return min(w.limit-len(w.queue), p.cfg.MaxMessages-w.sent)
+}
+
+// capacity is how many messages the stage may have in flight: each running worker's limit
+// (QUEUE_LIMIT, or what its stdin pipe holds), and QUEUE_LIMIT for each worker it may still
+// start. Draining workers' messages count against it (the claim subtracts all in flight).
+func (p *pool) capacity() int {
+	n, running := 0, 0
+	for _, w := range p.workers {
+		if w.state == workerRunning {
+			n += w.limit
+			running++
+		}
+	}
+	return n + max(0, p.cfg.Parallelism-running)*p.cfg.QueueLimit
 }
 
 // pick returns the worker the next message should go to: the fullest one that still has room,

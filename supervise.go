@@ -72,6 +72,12 @@ func (c *coordinator) spawn(p *pool, now time.Time) *worker {
 	}
 	c.workers[id] = w
 	p.workers = append(p.workers, w)
+	if w.limit < p.cfg.QueueLimit && !p.smallPipeSaid {
+		p.smallPipeSaid = true
+		c.log.Warn("a worker's stdin pipe holds fewer ids than QUEUE_LIMIT; its workers are given that many at most "+
+			"(the dispatcher's user has 1,024 pipes open: see fs.pipe-user-pages-soft)",
+			"stage", p.cfg.Name, "pid", w.pid, "ids", w.limit, "queue_limit", p.cfg.QueueLimit)
+	}
 	c.stats.stage(p.cfg.Name).WorkersStarted++
 	c.log.Debug("worker started", "stage", p.cfg.Name, "pid", w.pid, "workers", len(p.workers))
 	return w

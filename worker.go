@@ -68,11 +68,14 @@ type worker struct {
 	cmd   *exec.Cmd
 	stdin *os.File
 
-	queue     []*message // in flight, head first
-	headAt    time.Time  // when queue[0] became the head (MAX_RUNTIME counts from here)
-	sent      int        // messages written to it (MAX_MESSAGES)
-	written   int64      // bytes of ids written to its stdin (readNone)
-	answered  int        // status lines read
+	queue   []*message // in flight, head first
+	headAt  time.Time  // when queue[0] became the head (MAX_RUNTIME counts from here)
+	sent    int        // messages written to it (MAX_MESSAGES)
+	written int64      // bytes of ids written to its stdin (readNone)
+	// limit is the most ids in flight to it: QUEUE_LIMIT, or fewer when its stdin pipe cannot
+	// hold that many (pipeLimit), so that the loop's write never waits for the worker.
+	limit     int
+	answered  int // status lines read
 	idleSince time.Time
 	state     workerState
 	fate      workerFate
@@ -155,7 +158,7 @@ func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- event, l
 		return nil, fmt.Errorf("start worker of stage %s: %w", s.Name, err)
 	}
 	w := &worker{id: id, stage: s.Name, gen: gen, pid: cmd.Process.Pid, cmd: cmd, stdin: inW,
-		started: time.Now(), idleSince: time.Now()}
+		started: time.Now(), idleSince: time.Now(), limit: pipeLimit(inW, s.QueueLimit)}
 	wlog := log.With("stage", s.Name, "pid", w.pid)
 	readDone := make(chan struct{})
 	logDone := make(chan struct{})
@@ -288,7 +291,7 @@ func logLoop(errR *os.File, log *slog.Logger) (signs stderrSigns) {
 }
 
 // send writes the ids of msgs to the worker's stdin in one write. It never blocks for long:
-// at most QUEUE_LIMIT ids are in flight per worker, and they fit in the pipe buffer.
+// at most w.limit ids are in flight to it, and they fit in its pipe (pipeLimit).
 func (w *worker) send(msgs []*message, buf []byte) ([]byte, error) {
 	buf = buf[:0]
 	for _, m := range msgs {
@@ -299,6 +302,38 @@ func (w *worker) send(msgs []*message, buf []byte) ([]byte, error) {
 	w.written += int64(n)
 	return buf, err
 }
+
+// maxIDLine is the longest line of an id on a worker's stdin: a bigint's sign, 19 digits and LF.
+const maxIDLine = 21
+
+// pipeLimit is how many ids a worker may have in flight, QUEUE_LIMIT at most: as many as its
+// stdin pipe f holds at their longest. The loop writes a worker's ids on its own goroutine,
+// and a write to a full pipe waits until the worker reads, which a worker running a long
+// message does only once it is done: meanwhile no stage would be claimed, no timer served.
+// A pipe holds 64 KiB, 3,120 ids, above QUEUE_LIMIT's maximum (queueLimitMax); but once a user has 1,024 pipes
+// open, Linux gives its further ones 8 KiB (pipe-user-pages-soft, for a user without
+// CAP_SYS_RESOURCE, as the dispatcher is after dropping its privileges): 390 ids
+// (TestSmallPipeNeverBlocks). Should the size not be known, QUEUE_LIMIT stands.
+func pipeLimit(f *os.File, queueLimit int) int {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return queueLimit
+	}
+	size := 0
+	rc.Control(func(fd uintptr) {
+		n, _, errno := syscall.Syscall(syscall.SYS_FCNTL, fd, fGetPipeSize, 0)
+		if errno == 0 {
+			size = int(n)
+		}
+	})
+	if size <= 0 {
+		return queueLimit
+	}
+	return max(1, min(queueLimit, size/maxIDLine))
+}
+
+// fGetPipeSize is Linux's F_GETPIPE_SZ, which the syscall package does not name.
+const fGetPipeSize = 1032
 
 // readNone reports whether the worker, gone, read none of the ids written to it: they are all
 // still in its stdin pipe, as the kernel counts through the write end we hold (FIONREAD). Such
