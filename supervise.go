@@ -300,13 +300,13 @@ func (c *coordinator) recordStartupDeath(w *worker, head *message) bool {
 	return false
 }
 
-// holdStage puts a stage whose worker could not get going on cool-down.
 // startDeath is what is known of a worker that died at its start, for the log.
 type startDeath struct {
 	readNone  bool // it read none of its ids
 	noSession bool // the server gave it no session
 }
 
+// holdStage puts a stage whose worker could not get going on cool-down.
 func (c *coordinator) holdStage(w *worker, reason string, how startDeath, now time.Time) {
 	p := c.pools[w.stage]
 	if p == nil || p.gen != w.gen {
