@@ -310,10 +310,10 @@ const maxIDLine = 21
 // stdin pipe f holds at their longest. The loop writes a worker's ids on its own goroutine,
 // and a write to a full pipe waits until the worker reads, which a worker running a long
 // message does only once it is done: meanwhile no stage would be claimed, no timer served.
-// A pipe holds 64 KiB, 3,120 ids, above QUEUE_LIMIT's maximum (queueLimitMax); but once a user has 1,024 pipes
-// open, Linux gives its further ones 8 KiB (pipe-user-pages-soft, for a user without
-// CAP_SYS_RESOURCE, as the dispatcher is after dropping its privileges): 390 ids
-// (TestSmallPipeNeverBlocks). Should the size not be known, QUEUE_LIMIT stands.
+// A pipe holds 64 KiB, 3,120 ids, above QUEUE_LIMIT's maximum (queueLimitMax); but once a
+// user has 1,024 pipes open, Linux gives its further ones 8 KiB (pipe-user-pages-soft, for a
+// user without CAP_SYS_RESOURCE, as the dispatcher is after dropping its privileges): 390
+// ids (TestSmallPipeNeverBlocks). Should the size not be known, QUEUE_LIMIT stands.
 func pipeLimit(f *os.File, queueLimit int) int {
 	rc, err := f.SyscallConn()
 	if err != nil {
