@@ -155,18 +155,14 @@ var noSessionMarks = []string{
 
 // isNoSessionText reports whether a line of a worker's standard error says the server would
 // not give it a session.
-func isNoSessionText(s string) bool {
-	for _, m := range noSessionMarks {
-		if strings.Contains(s, m) {
-			return true
-		}
-	}
-	return false
-}
+func isNoSessionText(s string) bool { return containsAny(s, noSessionMarks) }
 
 // isOutageText reports whether a worker's failure text names the database's outage.
-func isOutageText(s string) bool {
-	for _, m := range outageMarks {
+func isOutageText(s string) bool { return containsAny(s, outageMarks) }
+
+// containsAny reports whether s contains one of marks.
+func containsAny(s string, marks []string) bool {
+	for _, m := range marks {
 		if strings.Contains(s, m) {
 			return true
 		}

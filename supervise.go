@@ -208,7 +208,8 @@ func (c *coordinator) onExit(ev workerExit) {
 	for _, k := range []timerKind{timerIdle, timerWatchdog, timerLinger} {
 		c.timers.cancel(timerKey{k, w.id})
 	}
-	readNone := w.readNone() // asked through our end of its stdin: before closing it
+	// Asked through our end of its stdin, so before closing it; only a death at start needs it.
+	readNone := diedAtStart(w, now) && w.readNone()
 	w.closeStdin()
 	q := w.queue
 	w.queue = nil

@@ -315,18 +315,8 @@ const maxIDLine = 21
 // user without CAP_SYS_RESOURCE, as the dispatcher is after dropping its privileges): 390
 // ids (TestSmallPipeNeverBlocks). Should the size not be known, QUEUE_LIMIT stands.
 func pipeLimit(f *os.File, queueLimit int) int {
-	rc, err := f.SyscallConn()
-	if err != nil {
-		return queueLimit
-	}
-	size := 0
-	rc.Control(func(fd uintptr) {
-		n, _, errno := syscall.Syscall(syscall.SYS_FCNTL, fd, fGetPipeSize, 0)
-		if errno == 0 {
-			size = int(n)
-		}
-	})
-	if size <= 0 {
+	size, err := pipeSize(f)
+	if err != nil || size <= 0 {
 		return queueLimit
 	}
 	return max(1, min(queueLimit, size/maxIDLine))
@@ -347,23 +337,38 @@ func (w *worker) readNone() bool {
 	return err == nil && int64(n) == w.written
 }
 
-// pipeUnread returns the bytes written to the pipe of f (either end) and not read yet.
+// pipeUnread returns the bytes written to the pipe of f (either end) and not read yet (FIONREAD).
 func pipeUnread(f *os.File) (int, error) {
+	return onFD(f, func(fd uintptr) (int, syscall.Errno) {
+		var n int32
+		_, _, errno := syscall.Syscall(syscall.SYS_IOCTL, fd, syscall.TIOCINQ, uintptr(unsafe.Pointer(&n)))
+		return int(n), errno
+	})
+}
+
+// pipeSize returns how many bytes the pipe of f holds (F_GETPIPE_SZ).
+func pipeSize(f *os.File) (int, error) {
+	return onFD(f, func(fd uintptr) (int, syscall.Errno) {
+		n, _, errno := syscall.Syscall(syscall.SYS_FCNTL, fd, fGetPipeSize, 0)
+		return int(n), errno
+	})
+}
+
+// onFD runs call on f's descriptor, without taking it out of the runtime's poller as Fd would.
+func onFD(f *os.File, call func(fd uintptr) (int, syscall.Errno)) (int, error) {
 	rc, err := f.SyscallConn()
 	if err != nil {
 		return 0, err
 	}
-	var n int32
+	var n int
 	var errno syscall.Errno
-	if err := rc.Control(func(fd uintptr) {
-		_, _, errno = syscall.Syscall(syscall.SYS_IOCTL, fd, syscall.TIOCINQ, uintptr(unsafe.Pointer(&n)))
-	}); err != nil {
+	if err := rc.Control(func(fd uintptr) { n, errno = call(fd) }); err != nil {
 		return 0, err
 	}
 	if errno != 0 {
 		return 0, errno
 	}
-	return int(n), nil
+	return n, nil
 }
 
 // closeStdin tells the worker that no more ids will come: it finishes its queue and exits.

@@ -106,6 +106,28 @@ func (s *schema) int(t testing.TB, q string, args ...any) int {
 }
 
 // put inserts a row as the dispatcher's claim would leave it and returns its id.
+// explain returns the plan PostgreSQL makes for q, one line per row of EXPLAIN.
+func (s *schema) explain(t testing.TB, q string) string {
+	t.Helper()
+	rs, err := s.db.Query("EXPLAIN " + q)
+	if err != nil {
+		t.Fatalf("explain: %v", err)
+	}
+	defer rs.Close()
+	var plan []string
+	for rs.Next() {
+		var line string
+		if err := rs.Scan(&line); err != nil {
+			t.Fatalf("explain: scan: %v", err)
+		}
+		plan = append(plan, line)
+	}
+	if err := rs.Err(); err != nil {
+		t.Fatalf("explain: %v", err)
+	}
+	return strings.Join(plan, "\n")
+}
+
 func (s *schema) put(t testing.TB, stage, status, payload string) int64 {
 	t.Helper()
 	var id int64
@@ -1202,20 +1224,7 @@ func TestOutcomePlan(t *testing.T) {
 		statuses[i], states[i] = "pending", sql.NullString{String: "{}", Valid: i%2 == 0}
 	}
 	q := outcomeStatement(ids, stages, statuses, retryAts, states, "a")
-	rs, err := sch.db.Query("EXPLAIN " + q)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var plan []string
-	for rs.Next() {
-		var line string
-		if err := rs.Scan(&line); err != nil {
-			t.Fatal(err)
-		}
-		plan = append(plan, line)
-	}
-	rs.Close()
-	text := strings.Join(plan, "\n")
+	text := sch.explain(t, q)
 	if strings.Contains(text, "Seq Scan on workqueue") || !strings.Contains(text, "Index Cond: (workqueue_id = ANY") {
 		t.Errorf("the outcome statement does not find its rows by primary key:\n%s", text)
 	}
@@ -1251,23 +1260,10 @@ func TestLoadStatementForms(t *testing.T) {
 			t.Errorf("load of %v: %s\nwant it to say %q", c.ids, q, c.form)
 		}
 		got := sch.ids(t, `SELECT workqueue_id FROM (`+q+`) l ORDER BY 1`)
-		if fmt.Sprint(got) != fmt.Sprint(c.wantRows) && !(len(got) == 0 && len(c.wantRows) == 0) {
+		if !slices.Equal(got, c.wantRows) {
 			t.Errorf("load of %v read %v, want %v", c.ids, got, c.wantRows)
 		}
-		rs, err := sch.db.Query("EXPLAIN " + q)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var plan []string
-		for rs.Next() {
-			var line string
-			if err := rs.Scan(&line); err != nil {
-				t.Fatal(err)
-			}
-			plan = append(plan, line)
-		}
-		rs.Close()
-		if text := strings.Join(plan, "\n"); !strings.Contains(text, "workqueue_pkey") {
+		if text := sch.explain(t, q); !strings.Contains(text, "workqueue_pkey") {
 			t.Errorf("load of %v does not read by primary key:\n%s", c.ids, text)
 		}
 	}
