@@ -276,18 +276,66 @@ func (w *worker) waitLoop(ctx context.Context, events chan<- event, readDone, lo
 
 // logLoop copies the worker's standard error to the log, one record per line, and reports
 // whether a line named a database outage or a session the server refused (a stage that lost
-// its session, or could not make it, says why, then exits).
+// its session, or could not make it, says why, then exits). A line longer than stderrLineMax
+// is logged cut, with the bytes cut, and the reading goes on: a bufio.Scanner stops at its
+// first line over its buffer, and every later line of that worker went unlogged, its last
+// words and its session's refusal among them (TestLogLoopLongLine).
 func logLoop(errR *os.File, log *slog.Logger) (signs stderrSigns) {
-	sc := bufio.NewScanner(errR)
-	sc.Buffer(make([]byte, 4096), 64<<10)
-	for sc.Scan() {
-		log.Warn("worker stderr", "line", sc.Text())
-		signs.outage = signs.outage || isOutageText(sc.Text())
-		signs.noSession = signs.noSession || isNoSessionText(sc.Text())
+	r := bufio.NewReaderSize(errR, 4096)
+	var line []byte
+	for {
+		var cut int
+		var err error
+		line, cut, err = readLogLine(r, line[:0], stderrLineMax)
+		if err != nil {
+			// EOF, or the pipe closed under us (waitLoop's grace): nothing more to log.
+			return signs
+		}
+		text := string(line)
+		if cut > 0 {
+			log.Warn("worker stderr", "line", text, "cut_bytes", cut)
+		} else {
+			log.Warn("worker stderr", "line", text)
+		}
+		signs.outage = signs.outage || isOutageText(text)
+		signs.noSession = signs.noSession || isNoSessionText(text)
 	}
-	// A line longer than the buffer ends the scan; keep draining so the worker never blocks.
-	io.Copy(io.Discard, errR)
-	return signs
+}
+
+// stderrLineMax bounds one record of a worker's standard error: a handler that prints a whole
+// payload, or a program that writes binary, cannot make one record of megabytes.
+const stderrLineMax = 64 << 10
+
+// readLogLine appends to buf one line of r without its '\n' (nor a '\r' before it), at most
+// limit bytes of it, and says how many bytes past limit it dropped. A last line without '\n'
+// counts; err is r's error (io.EOF at the end), once no byte of a line is left.
+func readLogLine(r *bufio.Reader, buf []byte, limit int) (line []byte, cut int, err error) {
+	read := 0
+	for {
+		frag, err := r.ReadSlice('\n')
+		read += len(frag)
+		keep := min(len(frag), max(0, limit-len(buf)))
+		buf = append(buf, frag[:keep]...)
+		cut += len(frag) - keep
+		if errors.Is(err, bufio.ErrBufferFull) {
+			continue
+		}
+		if read == 0 {
+			return buf, 0, err
+		}
+		if err == nil {
+			// frag ended with the '\n': it is the last byte kept, or the last one cut.
+			if cut > 0 {
+				cut--
+			} else {
+				buf = buf[:len(buf)-1]
+			}
+		}
+		if cut == 0 {
+			buf = bytes.TrimSuffix(buf, []byte{'\r'})
+		}
+		return buf, cut, nil // an error after a last line comes again at the next call
+	}
 }
 
 // send writes the ids of msgs to the worker's stdin in one write. It never blocks for long:
