@@ -107,7 +107,7 @@ import (
 // each with the group's remaining children as its counters say (workqueue_id NULL, fanout_id
 // set): the wake rule's "may this group be complete?" needs it, and without it the first
 // completion of every group would cost a flush. The final row (workqueue_id and fanout_id
-// NULL) carries the earliest paused retry_at, whether the fan-in inbox holds unapplied
+// NULL) carries the earliest paused retry_at (as seconds from now: dueAt), whether the fan-in inbox holds unapplied
 // events (for writers the coordinator cannot hear), and how many rows this claim parked.
 const claimKeyedSQL = `
 WITH RECURSIVE stages AS (
@@ -224,14 +224,15 @@ WITH RECURSIVE stages AS (
     RETURNING 1
 )
 SELECT workqueue_id, stage, claim, attempts, fanout_id, priority, concurrency_key,
-       NULL::int, NULL::timestamptz, NULL::boolean, NULL::bigint FROM claimed
+       NULL::int, NULL::float8, NULL::boolean, NULL::bigint FROM claimed
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, f.fanout_id, NULL, NULL, f.expected_n - f.done_n - f.failed_n, NULL, NULL, NULL
   FROM fanout f
  WHERE f.fanout_id = ANY (ARRAY(SELECT DISTINCT fanout_id FROM claimed WHERE fanout_id IS NOT NULL))
    AND f.state = 'open'
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused'),
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       extract(epoch FROM (SELECT min(retry_at) FROM workqueue WHERE status = 'paused') - now())::float8,
        (SELECT id FROM fanin_event ORDER BY id LIMIT 1) IS NOT NULL, (SELECT count(*) FROM parking)
  WHERE set_config('synchronous_commit', 'off', true) = 'off'`
 
@@ -261,14 +262,15 @@ WITH claimed AS (
     RETURNING q.workqueue_id, q.stage, q.claim, q.attempts, q.fanout_id, q.priority, q.concurrency_key
 )
 SELECT workqueue_id, stage, claim, attempts, fanout_id, priority, concurrency_key,
-       NULL::int, NULL::timestamptz, NULL::boolean, NULL::bigint FROM claimed
+       NULL::int, NULL::float8, NULL::boolean, NULL::bigint FROM claimed
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, f.fanout_id, NULL, NULL, f.expected_n - f.done_n - f.failed_n, NULL, NULL, NULL
   FROM fanout f
  WHERE f.fanout_id = ANY (ARRAY(SELECT DISTINCT fanout_id FROM claimed WHERE fanout_id IS NOT NULL))
    AND f.state = 'open'
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT min(retry_at) FROM workqueue WHERE status = 'paused'),
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       extract(epoch FROM (SELECT min(retry_at) FROM workqueue WHERE status = 'paused') - now())::float8,
        (SELECT id FROM fanin_event ORDER BY id LIMIT 1) IS NOT NULL, 0::bigint
  WHERE set_config('synchronous_commit', 'off', true) = 'off'`
 
@@ -450,8 +452,8 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 			continue
 		}
 		if !idOK {
-			if next, ok := col[8].(time.Time); ok {
-				res.nextRetry = next
+			if in, ok := col[8].(float64); ok {
+				res.nextRetry = dueAt(in)
 			}
 			res.inbox, _ = col[9].(bool)
 			res.parked, _ = c.int(col[10])

@@ -344,11 +344,10 @@ func (c *coordinator) settle() {
 // heldRetryGap: how soon a due paused row that the last flip did not return is tried again.
 const heldRetryGap = time.Second
 
-// scheduleRetry sets the retry timer to the earliest paused row's due time (zero: none).
-// A due time no later than the start of the last flip belongs to a row that flip passed over,
-// held by another transaction (retrySQL), or one that the database's clock, behind ours, did
-// not see as due yet. Every claim reports it again; it is tried heldRetryGap after that flip,
-// not once after every claim, nor in a loop of flips until the clocks agree.
+// scheduleRetry sets the retry timer to the earliest paused row's due time (zero: none), on
+// our clock (dueAt). A due time no later than the start of the last flip belongs to a row that
+// flip passed over, held by another transaction (retrySQL). Every claim reports it again; it
+// is tried heldRetryGap after that flip, not once after every claim.
 func (c *coordinator) scheduleRetry(next time.Time) {
 	key := timerKey{kind: timerRetry}
 	if next.IsZero() {

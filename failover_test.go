@@ -35,6 +35,7 @@ type pgPair struct {
 	t       testing.TB
 	script  string
 	nodes   int
+	env     []string // added to pg-private's environment, and so to the servers'
 	dirs    [2]string
 	ports   [2]string
 	primary int
@@ -51,15 +52,16 @@ func newPGPair(t *testing.T) *pgPair {
 }
 
 // newPGNodes starts a primary and, with nodes = 2, its synchronous standby, in a temporary
-// directory named from prefix; they are stopped and removed when t ends.
-func newPGNodes(t *testing.T, nodes int, prefix string) *pgPair {
+// directory named from prefix, with env added to their environment; they are stopped and
+// removed when t ends.
+func newPGNodes(t *testing.T, nodes int, prefix string, env ...string) *pgPair {
 	t.Helper()
 	root, err := os.MkdirTemp("", prefix)
 	if err != nil {
 		t.Fatal(err)
 	}
 	os.Chmod(root, 0o755) // the clusters run as another account when the tests run as root
-	p := &pgPair{t: t, script: filepath.Join(testPG.Root(), "scripts/pg-private"), nodes: nodes}
+	p := &pgPair{t: t, script: filepath.Join(testPG.Root(), "scripts/pg-private"), nodes: nodes, env: env}
 	p.dirs = [2]string{filepath.Join(root, "n0"), filepath.Join(root, "n1")}
 	t.Cleanup(func() {
 		for _, d := range p.dirs[:p.nodes] {
@@ -84,7 +86,11 @@ func newPGNodes(t *testing.T, nodes int, prefix string) *pgPair {
 func (p *pgPair) run(args ...string) {
 	p.t.Helper()
 	start := time.Now()
-	out, err := exec.Command(p.script, args...).CombinedOutput()
+	cmd := exec.Command(p.script, args...)
+	if p.env != nil {
+		cmd.Env = append(os.Environ(), p.env...)
+	}
+	out, err := cmd.CombinedOutput()
 	if err != nil {
 		p.t.Fatalf("pg-private %v: %v\n%s", args, err, out)
 	}

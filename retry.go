@@ -52,8 +52,8 @@ type failure struct {
 
 // failSQL records failures. retry_at = now + RETRY_DELAY × 2^(attempts−1), with attempts the
 // new count; the exponent is capped so a large MAX_ATTEMPTS cannot overflow the interval.
-// Rows written come back with their new status and whether the reason was stored; held rows
-// with the status 'held'.
+// Rows written come back with their new status, in how many seconds they are due again (dueAt)
+// and whether the reason was stored; held rows with the status 'held'.
 //
 // The reason goes into the state only when the state is a JSON object. The state is the
 // stage's, and a stage may keep an array or a scalar there (JSON null too: the column is NOT
@@ -85,7 +85,7 @@ WITH f AS (
        AND q.status = 'running' AND q.stage = f.stage AND q.claim = f.claim
     RETURNING q.workqueue_id, q.status, q.retry_at, jsonb_typeof(q.state) = 'object' AS stored
 )
-SELECT workqueue_id, status, retry_at, stored FROM w
+SELECT workqueue_id, status, extract(epoch FROM retry_at - now())::float8, stored FROM w
 UNION ALL
 SELECT q.workqueue_id, 'held', NULL, NULL FROM workqueue q JOIN f ON q.workqueue_id = f.id
  WHERE q.status = 'running' AND q.stage = f.stage AND q.claim = f.claim
@@ -115,7 +115,7 @@ SELECT (SELECT count(*) FROM w),
                 AND q.workqueue_id NOT IN (SELECT workqueue_id FROM mine))`
 
 // retrySQL returns due paused rows to pending (whoever paused them: a failure or a stage's
-// defer), and says when the next one is due.
+// defer), and says in how many seconds the next one is due (dueAt).
 //
 // It locks what it picks and passes over the rows another transaction holds (SKIP LOCKED):
 // it runs on the coordinator's loop, and waiting there for one row that an operator's open
@@ -141,7 +141,7 @@ WITH due AS (
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM due),
-       (SELECT min(retry_at) FROM workqueue WHERE status = 'paused' AND retry_at > now())`
+       extract(epoch FROM (SELECT min(retry_at) FROM workqueue WHERE status = 'paused' AND retry_at > now()) - now())::float8`
 
 // failOutcome is what became of one failure write.
 type failOutcome struct {
@@ -184,9 +184,9 @@ func writeFailures(ctx context.Context, conn *sql.Conn, fs []failure) (out []fai
 	defer rows.Close()
 	for rows.Next() {
 		var o failOutcome
-		var at sql.NullTime
+		var in sql.NullFloat64
 		var stored sql.NullBool
-		if err := rows.Scan(&o.id, &o.status, &at, &stored); err != nil {
+		if err := rows.Scan(&o.id, &o.status, &in, &stored); err != nil {
 			return nil, nil, fmt.Errorf("record %d failures: %w", n, err)
 		}
 		if o.status == "held" {
@@ -196,7 +196,10 @@ func writeFailures(ctx context.Context, conn *sql.Conn, fs []failure) (out []fai
 			held[o.id] = true
 			continue
 		}
-		o.retryAt, o.stored = at.Time, stored.Bool
+		if in.Valid {
+			o.retryAt = dueAt(in.Float64)
+		}
+		o.stored = stored.Bool
 		out = append(out, o)
 	}
 	if err := rows.Err(); err != nil {
@@ -312,11 +315,29 @@ func eachAlone[T any](ctx context.Context, items []T, deadline time.Time, msg fu
 // next due time.
 func flipDue(ctx context.Context, conn *sql.Conn, skip []int64) (int64, time.Time, error) {
 	var n int64
-	var next sql.NullTime
-	if err := conn.QueryRowContext(ctx, retrySQL, idList(skip), nil).Scan(&n, &next); err != nil {
+	var in sql.NullFloat64
+	if err := conn.QueryRowContext(ctx, retrySQL, idList(skip), nil).Scan(&n, &in); err != nil {
 		return 0, time.Time{}, fmt.Errorf("return due paused rows to pending: %w", err)
 	}
-	return n, next.Time, nil
+	if !in.Valid {
+		return n, time.Time{}, nil
+	}
+	return n, dueAt(in.Float64), nil
+}
+
+// dueAt is a due time the database gave as seconds from its now(), on our clock. The
+// dispatcher's clock and the database's need not agree (another host, a VM's drift):
+// retry_at is the database's time, and read as a time on ours it came due late by as much as
+// the database's clock was ahead, every retry and every run_at (TestRetryDueOnDatabaseClock),
+// and early, for a flip every second until the clocks agreed, when it was behind. Read as an
+// interval, it is as late as the statement took to answer, never early. Times centuries away
+// stay far: a time.Duration holds 292 years.
+func dueAt(seconds float64) time.Time {
+	const far = 100 * 365 * 24 * time.Hour
+	if seconds >= far.Seconds() {
+		return time.Now().Add(far)
+	}
+	return time.Now().Add(time.Duration(seconds * float64(time.Second)))
 }
 
 // dueSQL lists due paused rows, for a flip the database refused.
@@ -356,7 +377,7 @@ func flipRows(ctx context.Context, conn *sql.Conn, ids, skip []int64, deadline t
 			break // still due: the next flip, a second later (scheduleRetry)
 		}
 		var n int64
-		var next sql.NullTime
+		var next sql.NullFloat64
 		err := conn.QueryRowContext(ctx, retrySQL, idList(nil), id).Scan(&n, &next)
 		switch {
 		case err != nil && (isOutage(err) || ctx.Err() != nil):

@@ -293,7 +293,7 @@ END $$;
 --   given an id of 0 or below by hand was never deleted, listed or acted on by filter, and
 --   failed at every stage as "bad message id". The identities give 1 and up.
 --   Times are finite. A run_at of 'infinity' made the row paused until then, and the
---   dispatcher's "next due paused row" (min(retry_at)) came back as a time Go cannot hold:
+--   dispatcher's "next due paused row" (min(retry_at)) could not be read as a due time:
 --   every return of due rows and every claim failed, and no stage claimed again. An infinite
 --   created_at or status_at made every age ("cannot subtract infinite timestamps") fail:
 --   pepsi-queue status and list, the console's pages, the row gauges of /metrics. To keep a

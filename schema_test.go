@@ -71,7 +71,7 @@ func TestIDsArePositive(t *testing.T) {
 
 // TestTimesAreFinite: a message given an infinite time is refused at its INSERT or UPDATE,
 // naming the rule. A run_at of 'infinity' made the row paused until then, and the next due
-// time the dispatcher reads (min(retry_at)) could not be scanned into a Go time: every return
+// time the dispatcher reads (min(retry_at)) could not be read as a due time: every return
 // of due rows and every claim failed, and no stage claimed again. An infinite created_at or
 // status_at made every age fail ("cannot subtract infinite timestamps"). A far date is fine.
 func TestTimesAreFinite(t *testing.T) {
