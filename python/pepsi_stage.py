@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import random
 import re
@@ -403,7 +404,9 @@ class Message:
         self._chosen = ""
         self._second = ""
         self._write_error: Optional[BaseException] = None
-        self._kept: Optional[Tuple[Optional[str], str, Optional[str], Optional[str]]] = None
+        # (stage, status, retry, state): retry is a timestamptz's text, or seconds from the
+        # server's now() (a float), or None.
+        self._kept: Optional[Tuple[Optional[str], str, Union[str, float, None], Optional[str]]] = None
         self._took = 0.0
 
     # --- the row -------------------------------------------------------------------------
@@ -484,14 +487,20 @@ class Message:
         """Pause the message until ``until`` (a datetime, naive meaning UTC; or a timedelta
         or a number of seconds from now): status = 'paused', retry_at, and the state. The
         dispatcher makes it pending at this stage again when it is due. Not a failure:
-        attempts is unchanged."""
+        attempts is unchanged.
+
+        "From now" is from the database server's now(), as RETRY_DELAY is: the worker's
+        clock need not agree with the server's, and a delay added to the worker's clock was
+        due at once on a server whose clock was ahead by more than it. A datetime is a time
+        the server's clock judges."""
         if isinstance(until, datetime.datetime):
             at = until if until.tzinfo else until.replace(tzinfo=datetime.timezone.utc)
-        elif isinstance(until, datetime.timedelta):
-            at = datetime.datetime.now(datetime.timezone.utc) + until
-        else:
-            at = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=float(until))
-        self._choose("defer until " + at.isoformat(), None, "paused", at.isoformat())
+            self._choose("defer until " + at.isoformat(), None, "paused", at.isoformat())
+            return
+        seconds = until.total_seconds() if isinstance(until, datetime.timedelta) else float(until)
+        if not math.isfinite(seconds):
+            raise ValueError(f"defer message {self.id}: {until!r} is not a finite delay")
+        self._choose(f"defer for {seconds:g} s", None, "paused", seconds)
 
     def split(self, continuation: str, child_stage: str, payloads: Sequence[Any]) -> Optional[int]:
         """Fan out: one child message at ``child_stage`` per element of ``payloads`` (its
@@ -564,7 +573,7 @@ class Message:
             raise OutcomeChosen(f"{what} for message {self.id}: an outcome was already chosen ({self._chosen})")
         self._chosen = what
 
-    def _choose(self, what: str, stage: Optional[str], status: str, retry_at: Optional[str]) -> None:
+    def _choose(self, what: str, stage: Optional[str], status: str, retry_at: Union[str, float, None]) -> None:
         self._begin_outcome(what)
         try:
             state = self._state_json()
@@ -585,7 +594,10 @@ class Message:
         if stage is not None:
             sets.append("stage = %s, attempts = 0")
             args.append(stage)
-        if retry_at is not None:
+        if isinstance(retry_at, float):
+            sets.append("retry_at = now() + make_interval(secs => %s::float8)")
+            args.append(retry_at)
+        elif retry_at is not None:
             sets.append("retry_at = %s::timestamptz")
             args.append(retry_at)
         if state is not None:
@@ -720,14 +732,15 @@ _LOAD_ONE = _LOAD.replace("workqueue_id = ANY(%s::bigint[])", "workqueue_id = %s
 # primary key only, matched to their values by id, the guard compared with a one-row subquery
 # behind OFFSET 0 so that the planner does not take the stale "1 running row" statistics at
 # their word. Sent unprepared (an unnamed statement is planned with its parameters' values, so
-# the planner knows the arrays' lengths). NULL state keeps the row's state.
+# the planner knows the arrays' lengths). NULL state keeps the row's state; retry_in, a
+# relative defer's seconds from the server's now(), stands in for a NULL retry_at.
 _OUTCOMES = """WITH written AS (UPDATE workqueue AS w SET stage = coalesce(v.stage, w.stage), status = v.status,
        attempts = CASE WHEN v.stage IS NULL THEN w.attempts ELSE 0 END,
-       retry_at = coalesce(v.retry_at, w.retry_at), state = coalesce(v.state, w.state),
-       status_at = now()
+       retry_at = coalesce(v.retry_at, now() + make_interval(secs => v.retry_in), w.retry_at),
+       state = coalesce(v.state, w.state), status_at = now()
   FROM unnest(%(ids)s::bigint[], %(stages)s::text[], %(statuses)s::text[],
-              %(retry)s::timestamptz[], %(states)s::jsonb[])
-       AS v (id, stage, status, retry_at, state),
+              %(retry)s::timestamptz[], %(retry_in)s::float8[], %(states)s::jsonb[])
+       AS v (id, stage, status, retry_at, retry_in, state),
        (SELECT 'running'::text AS status, %(guard)s::text AS stage OFFSET 0) AS guard
  WHERE w.workqueue_id = ANY (%(ids)s::bigint[]) AND w.workqueue_id = v.id
    AND w.status = guard.status AND w.stage = guard.stage
@@ -1093,7 +1106,9 @@ class _Server:
             "ids": "{" + ",".join([str(m.id) for m in kept]) + "}",
             "stages": _text_array([k[0] for k in ks]),  # type: ignore[index]
             "statuses": _text_array([k[1] for k in ks]),  # type: ignore[index]
-            "retry": _text_array([k[2] for k in ks]),  # type: ignore[index]
+            "retry": _text_array([k[2] if isinstance(k[2], str) else None for k in ks]),  # type: ignore[index]
+            "retry_in": "{" + ",".join([repr(k[2]) if isinstance(k[2], float) else "NULL"  # type: ignore[index]
+                                        for k in ks]) + "}",
             "states": _text_array([k[3] for k in ks]),  # type: ignore[index]
             "guard": self.cfg.stage,
             "n": len(kept),

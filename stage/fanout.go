@@ -20,7 +20,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/lib/pq"
 )
@@ -391,7 +390,7 @@ func (m *Message) Paginate(ctx context.Context, opts PageOpts, fn PageFunc) (fin
 	if exhausted {
 		return true, nil
 	}
-	if err := m.Defer(time.Now()); err != nil {
+	if err := m.DeferFor(0); err != nil {
 		return false, err
 	}
 	return false, nil

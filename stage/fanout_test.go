@@ -400,6 +400,11 @@ func TestFanoutPaginate(t *testing.T) {
 		if _, status, _ := sch.rowOf(t, id); status != "paused" {
 			t.Fatalf("child %d after one run: %s, want paused (deferred for the next run)", id, status)
 		}
+		// Due at once by the server's clock (DeferFor(0)): a time from the worker's clock was
+		// a minute in the server's future when the worker's clock was a minute ahead.
+		if n := sch.int(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND retry_at = status_at`, id); n != 1 {
+			t.Errorf("child %d deferred for its next page: retry_at is not its status_at", id)
+		}
 	}
 	var cursor int64
 	if err := sch.db.QueryRow(`SELECT fanout_child_cursor($1)`, kids[0]).Scan(&cursor); err != nil {

@@ -13,6 +13,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 
 	"github.com/lib/pq"
@@ -24,6 +25,9 @@ type change struct {
 	what    string       // for reasons: "advance to b", "done", "defer until …"
 	stage   string       // "" keeps the stage
 	retryAt string       // a timestamptz in text, "" keeps retry_at
+	// retryIn: retry_at is the server's now() plus this many seconds (DeferFor), whatever the
+	// worker's clock says.
+	retryIn sql.NullFloat64
 }
 
 // keptChange is an outcome chosen before the handler sent any statement, with the state as it
@@ -69,6 +73,9 @@ func (m *Message) update(ctx context.Context, on execer, c change, state []byte,
 	if c.retryAt != "" {
 		set += ", retry_at = " + pq.QuoteLiteral(c.retryAt) + "::timestamptz"
 	}
+	if c.retryIn.Valid {
+		set += ", retry_at = now() + make_interval(secs => " + strconv.FormatFloat(c.retryIn.Float64, 'g', -1, 64) + ")"
+	}
 	q := m.srv.sess.savepointPrefix() +
 		"UPDATE workqueue SET " + set + ", state = " + pq.QuoteLiteral(string(state)) + "::jsonb" +
 		" WHERE workqueue_id = " + strconv.FormatInt(m.ID, 10) +
@@ -90,7 +97,8 @@ func (m *Message) update(ctx context.Context, on execer, c change, state []byte,
 
 // outcomeStatement is the statement that writes a batch's kept outcomes, one array element per
 // message: ids, the stages they advance to (NULL: they stay), statuses, retry_at (NULL:
-// unchanged), states (NULL: unchanged); guard is the claimed stage. An advance resets
+// unchanged, unless retryIns gives seconds from the server's now()), states (NULL:
+// unchanged); guard is the claimed stage. An advance resets
 // attempts: MAX_ATTEMPTS counts failures at one stage, not across them.
 //
 // Its shape is for the planner. The rows are found by primary key only (= ANY ids), and matched
@@ -107,15 +115,23 @@ func (m *Message) update(ctx context.Context, on execer, c change, state []byte,
 // every element (65,280 comparisons for 256 outcomes). Planning costs about 1 ms per batch,
 // 4 µs per outcome. TestOutcomePlan checks the plans.
 func outcomeStatement(ids []int64, stages []sql.NullString, statuses []string, retryAts []sql.NullString,
-	states []sql.NullString, guard string) string {
+	retryIns []sql.NullFloat64, states []sql.NullString, guard string) string {
 	idList := arrayLiteral(len(ids), func(b []byte, i int) []byte { return strconv.AppendInt(b, ids[i], 10) })
+	// A batch without DeferFor, the common one, sends no retry_in column: a no-op stage's
+	// statement stays as short as before it existed.
+	retry, retryIn, columns := `coalesce(v.retry_at, w.retry_at)`, ``, `v (id, stage, status, retry_at, state)`
+	if slices.ContainsFunc(retryIns, func(f sql.NullFloat64) bool { return f.Valid }) {
+		retry = `coalesce(v.retry_at, now() + make_interval(secs => v.retry_in), w.retry_at)`
+		retryIn = nullFloats(retryIns) + `::float8[], `
+		columns = `v (id, stage, status, retry_at, retry_in, state)`
+	}
 	return `UPDATE workqueue AS w SET stage = coalesce(v.stage, w.stage), status = v.status,
        attempts = CASE WHEN v.stage IS NULL THEN w.attempts ELSE 0 END,
-       retry_at = coalesce(v.retry_at, w.retry_at), state = coalesce(v.state, w.state), status_at = now()
+       retry_at = ` + retry + `, state = coalesce(v.state, w.state), status_at = now()
   FROM unnest(` + idList + `::bigint[], ` + nullStrings(stages) + `::text[], ` +
 		arrayLiteral(len(statuses), func(b []byte, i int) []byte { return appendArrayString(b, statuses[i]) }) + `::text[], ` +
-		nullStrings(retryAts) + `::timestamptz[], ` + nullStrings(states) + `::jsonb[])
-       AS v (id, stage, status, retry_at, state),
+		nullStrings(retryAts) + `::timestamptz[], ` + retryIn + nullStrings(states) + `::jsonb[])
+       AS ` + columns + `,
        (SELECT 'running'::text AS status, ` + pq.QuoteLiteral(guard) + `::text AS stage OFFSET 0) AS guard
  WHERE w.workqueue_id = ANY (` + idList + `::bigint[]) AND w.workqueue_id = v.id
    AND w.status = guard.status AND w.stage = guard.stage
@@ -145,6 +161,16 @@ func nullStrings(v []sql.NullString) string {
 			return append(b, "NULL"...)
 		}
 		return appendArrayString(b, v[i].String)
+	})
+}
+
+// nullFloats is nullStrings for numbers.
+func nullFloats(v []sql.NullFloat64) string {
+	return arrayLiteral(len(v), func(b []byte, i int) []byte {
+		if !v[i].Valid {
+			return append(b, "NULL"...)
+		}
+		return strconv.AppendFloat(b, v[i].Float64, 'g', -1, 64)
 	})
 }
 
@@ -183,6 +209,7 @@ func (s *server) writeOutcomes(ctx context.Context, kept []keptOutcome, replies 
 	stages := make([]sql.NullString, len(kept))
 	statuses := make([]string, len(kept))
 	retryAts := make([]sql.NullString, len(kept))
+	retryIns := make([]sql.NullFloat64, len(kept))
 	states := make([]sql.NullString, len(kept))
 	for i, k := range kept {
 		c := k.m.kept.change
@@ -190,9 +217,10 @@ func (s *server) writeOutcomes(ctx context.Context, kept []keptOutcome, replies 
 		stages[i] = sql.NullString{String: c.stage, Valid: c.stage != ""}
 		statuses[i] = c.kind.status
 		retryAts[i] = sql.NullString{String: c.retryAt, Valid: c.retryAt != ""}
+		retryIns[i] = c.retryIn
 		states[i] = sql.NullString{String: string(k.m.kept.state), Valid: !k.m.kept.same}
 	}
-	q := outcomeStatement(ids, stages, statuses, retryAts, states, s.cfg.Stage)
+	q := outcomeStatement(ids, stages, statuses, retryAts, retryIns, states, s.cfg.Stage)
 	var written map[int64]bool
 	err := againIfTransient(ctx, func() (err error) {
 		written, err = queryIDs(ctx, s.db, q)

@@ -265,11 +265,22 @@ func TestOutcomes(t *testing.T) {
 	adv := sch.put(t, "a", "running", `{"op": "advance"}`)
 	done := sch.put(t, "a", "running", `{"op": "done"}`)
 	deferred := sch.put(t, "a", "running", `{"op": "defer"}`)
+	// DeferFor, kept for the batch's outcome statement, and written at once after a statement
+	// of the handler's (the savepoint open).
+	deferredFor := sch.put(t, "a", "running", `{"op": "for"}`)
+	deferredForTx := sch.put(t, "a", "running", `{"op": "for", "tx": true}`)
 	until := time.Date(2031, 2, 3, 4, 5, 6, 789000000, time.UTC)
 	sv := serve(t, sch, func(ctx context.Context, m *Message) error {
 		m.State["seen_by"] = m.Stage
 		m.State["attempts"] = m.Attempts
 		switch {
+		case strings.Contains(string(m.Payload), `"for"`):
+			if strings.Contains(string(m.Payload), "tx") {
+				if _, err := m.Tx.ExecContext(ctx, `SELECT 1`); err != nil {
+					return err
+				}
+			}
+			return m.DeferFor(time.Hour)
 		case strings.Contains(string(m.Payload), "advance"):
 			return m.Advance("c")
 		case strings.Contains(string(m.Payload), "done"):
@@ -278,17 +289,17 @@ func TestOutcomes(t *testing.T) {
 			return m.Defer(until)
 		}
 	})
-	sv.send(t, adv, done, deferred)
+	sv.send(t, adv, done, deferred, deferredFor, deferredForTx)
 	// A message that finished says so ("0 done": the dispatcher counts it); the others say "0".
-	for i, r := range sv.replies(t, 3) {
-		if want := []string{"0", "0 done", "0"}[i]; r != want {
+	for i, r := range sv.replies(t, 5) {
+		if want := []string{"0", "0 done", "0", "0", "0"}[i]; r != want {
 			t.Errorf("reply %d = %q, want %q", i, r, want)
 		}
 	}
 	for _, c := range []struct {
 		id            int64
 		stage, status string
-	}{{adv, "c", "pending"}, {done, "a", "done"}, {deferred, "a", "paused"}} {
+	}{{adv, "c", "pending"}, {done, "a", "done"}, {deferred, "a", "paused"}, {deferredFor, "a", "paused"}, {deferredForTx, "a", "paused"}} {
 		stage, status, state := sch.rowOf(t, c.id)
 		if stage != c.stage || status != c.status {
 			t.Errorf("row %d: stage %s status %s, want %s %s", c.id, stage, status, c.stage, c.status)
@@ -299,6 +310,13 @@ func TestOutcomes(t *testing.T) {
 	}
 	if n := sch.int(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND retry_at = $2`, deferred, until); n != 1 {
 		t.Errorf("deferred row: retry_at is not %v", until)
+	}
+	// An hour from the server's now(), which is also the outcome's status_at: not from the
+	// worker's clock, which need not agree with the server's.
+	for _, id := range []int64{deferredFor, deferredForTx} {
+		if n := sch.int(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND retry_at = status_at + interval '1 hour'`, id); n != 1 {
+			t.Errorf("row %d deferred for an hour: retry_at is not status_at + 1 hour", id)
+		}
 	}
 	if err := sv.end(t); err != nil {
 		t.Errorf("serve after EOF: %v", err)
@@ -1223,7 +1241,7 @@ func TestOutcomePlan(t *testing.T) {
 		stages[i] = sql.NullString{String: "b", Valid: true}
 		statuses[i], states[i] = "pending", sql.NullString{String: "{}", Valid: i%2 == 0}
 	}
-	q := outcomeStatement(ids, stages, statuses, retryAts, states, "a")
+	q := outcomeStatement(ids, stages, statuses, retryAts, make([]sql.NullFloat64, n), states, "a")
 	text := sch.explain(t, q)
 	if strings.Contains(text, "Seq Scan on workqueue") || !strings.Contains(text, "Index Cond: (workqueue_id = ANY") {
 		t.Errorf("the outcome statement does not find its rows by primary key:\n%s", text)

@@ -44,6 +44,8 @@ def test_outcomes(schema: Schema, worker_factory) -> None:
         {"do": "state", "norecord": True},
         {"do": "advance", "norecord": True},
         {"do": "state", "norecord": True, "state_value": 'q"uote \\back\\slash {br,ace} NULL é \u2603'},
+        {"do": "defer", "defer_s": 3600, "norecord": True},
+        {"do": "defer", "defer_s": "inf"},
     ]
     ids = schema.enqueue("a", payloads)
     schema.claim("a", ids)
@@ -52,12 +54,16 @@ def test_outcomes(schema: Schema, worker_factory) -> None:
     got = w.replies(len(ids))
     assert w.close() == 0
     r = rows(schema, ids)
-    adv, done, dfr, split, split0, srange, fail, none, two, bad, st, adv2, tricky = ids
+    adv, done, dfr, split, split0, srange, fail, none, two, bad, st, adv2, tricky, dfr2, dfr_inf = ids
     assert got[0] == "0" and r[adv][:3] == ("b", "pending", 0)
     assert got[1] == "0 done" and r[done][:2] == ("a", "done")
     assert got[2] == "0" and r[dfr][:2] == ("a", "paused") and r[dfr][3]["deferred"] is True
-    assert schema.one("SELECT retry_at > now() + interval '59 minutes' FROM workqueue WHERE workqueue_id = %s",
-                      (dfr,))
+    # A delay counts from the server's now(), the outcome's status_at, not from the worker's
+    # clock (which need not agree with the server's): written with the handler's writes (dfr)
+    # and by the batch's outcome statement (dfr2).
+    for d in (dfr, dfr2):
+        assert schema.one("SELECT retry_at = status_at + interval '3600 seconds' FROM workqueue"
+                          " WHERE workqueue_id = %s", (d,))
     assert got[3] == "0" and r[split][:2] == ("b", "waiting")
     kids = schema.q("SELECT payload, fanout_seq FROM workqueue WHERE stage = 'kid' AND fanout_id = "
                     "(SELECT wait_fanout_id FROM workqueue WHERE workqueue_id = %s) ORDER BY fanout_seq", (split,))
@@ -75,8 +81,10 @@ def test_outcomes(schema: Schema, worker_factory) -> None:
     assert got[10] == "0" and r[st][3] == {"by_a": st}
     assert got[11] == "0" and r[adv2][:2] == ("b", "pending")
     assert got[12] == "0" and r[tricky][3] == {"by_a": payloads[12]["state_value"]}
+    assert got[13] == "0" and r[dfr2][:2] == ("a", "paused") and r[dfr2][3]["deferred"] is True
+    assert got[14] == f"1 ValueError: defer message {dfr_inf}: 'inf' is not a finite delay"
     # A failed message is left running for the dispatcher to fail; its writes are undone.
-    for i in (fail, none, two, bad):
+    for i in (fail, none, two, bad, dfr_inf):
         assert r[i][:3] == ("a", "running", 0)
     assert [i for i, s in runs(schema)] == sorted([adv, done, dfr, split, split0, srange])
 
