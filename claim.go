@@ -107,8 +107,9 @@ import (
 // each with the group's remaining children as its counters say (workqueue_id NULL, fanout_id
 // set): the wake rule's "may this group be complete?" needs it, and without it the first
 // completion of every group would cost a flush. The final row (workqueue_id and fanout_id
-// NULL) carries the earliest paused retry_at (as seconds from now: dueAt), whether the fan-in inbox holds unapplied
-// events (for writers the coordinator cannot hear), and how many rows this claim parked.
+// NULL) carries the earliest paused retry_at (as seconds from the server's now(): dueAt),
+// whether the fan-in inbox holds unapplied events (for writers the coordinator cannot hear),
+// and how many rows this claim parked.
 const claimKeyedSQL = `
 WITH RECURSIVE stages AS (
     SELECT * FROM unnest($1::text[], $2::int[], $3::int[]) AS c(stage, cap, key_limit)

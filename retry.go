@@ -141,7 +141,8 @@ WITH due AS (
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM due),
-       extract(epoch FROM (SELECT min(retry_at) FROM workqueue WHERE status = 'paused' AND retry_at > now()) - now())::float8`
+       extract(epoch FROM (SELECT min(retry_at) FROM workqueue
+                            WHERE status = 'paused' AND retry_at > now()) - now())::float8`
 
 // failOutcome is what became of one failure write.
 type failOutcome struct {

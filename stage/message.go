@@ -155,10 +155,11 @@ func (m *Message) Defer(until time.Time) error {
 }
 
 // DeferFor is Defer for a delay counted from the database server's now(), as RETRY_DELAY is:
-// retry_at = now() + d in the server's own terms. Defer's time is judged by the server's clock,
-// which need not agree with the worker's (another host, a VM that drifted): Defer(time.Now()
-// .Add(d)) on a worker whose clock is behind the server's by more than d is due at once, and
-// on one ahead of it comes that much late. d may be 0: pending again at once.
+// retry_at = now() + d, in the server's own terms. Defer's time is judged by the server's
+// clock, which need not agree with the worker's (another host, a VM that drifted): a
+// Defer(time.Now().Add(d)) on a worker whose clock is ahead of the server's by more than d
+// waits that much longer, and on one behind it by more than d is due at once. d may be 0:
+// pending again at once.
 func (m *Message) DeferFor(d time.Duration) error {
 	return m.choose(change{
 		kind:    deferKind,
