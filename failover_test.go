@@ -60,6 +60,12 @@ func newPGNodes(t *testing.T, nodes int, prefix string, env ...string) *pgPair {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return newPGNodesIn(t, root, nodes, env...)
+}
+
+// newPGNodesIn is newPGNodes in the directory root, which it empties at the end.
+func newPGNodesIn(t *testing.T, root string, nodes int, env ...string) *pgPair {
+	t.Helper()
 	os.Chmod(root, 0o755) // the clusters run as another account when the tests run as root
 	p := &pgPair{t: t, script: filepath.Join(testPG.Root(), "scripts/pg-private"), nodes: nodes, env: env}
 	p.dirs = [2]string{filepath.Join(root, "n0"), filepath.Join(root, "n1")}
