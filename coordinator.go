@@ -96,6 +96,8 @@ type coordinator struct {
 
 	stats          *Stats
 	lastStatsFlush time.Time // the last flush attempt
+	statsRefused   int       // flushes failed in a row (flushStats)
+	statsWarnedAt  time.Time // when the last of them was logged
 	lastFlip       time.Time // when the last return of due paused rows started (scheduleRetry)
 
 	shutdown bool  // a signal arrived: no claims, workers finish their queues

@@ -249,15 +249,28 @@ func (s *Stats) flush(ctx context.Context, db *sql.DB) (bool, error) {
 	return true, nil
 }
 
-// flushStats writes the statistics deltas; a failure keeps them for the next flush.
+// flushStats writes the statistics deltas; a failure keeps them for the next flush. A failure
+// is logged when it starts and then once a minute: while the database refuses the flush (a
+// full disk, a rule on stage_stats) an idle pipeline tries it every second (settle), and said
+// a line a second (TestStatsFlushRefusedLoggedOnce).
 func (c *coordinator) flushStats() {
 	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
 	defer cancel()
 	if !c.stats.dirty() {
 		return
 	}
-	c.lastStatsFlush = time.Now()
+	now := time.Now()
+	c.lastStatsFlush = now
 	if _, err := c.stats.flush(ctx, c.db); err != nil {
-		c.log.Warn("statistics not flushed; kept for the next flush", "err", err)
+		c.statsRefused++
+		if c.statsRefused == 1 || now.Sub(c.statsWarnedAt) >= time.Minute {
+			c.statsWarnedAt = now
+			c.log.Warn("statistics not flushed; kept for the next flush", "err", err, "failed_flushes", c.statsRefused)
+		}
+		return
+	}
+	if c.statsRefused > 0 {
+		c.log.Info("statistics flushed again", "failed_flushes", c.statsRefused)
+		c.statsRefused = 0
 	}
 }
