@@ -60,3 +60,21 @@ func TestRetryDueOnDatabaseClock(t *testing.T) {
 	}
 	d.stop()
 }
+
+// TestDueAtBounds: seconds from the database's now() become a time on ours, as late as they
+// say; times centuries away either way (a stage's Defer of Go's zero time is due in year 1,
+// 63 billion seconds ago) are held at a century rather than converted out of a
+// time.Duration's range.
+func TestDueAtBounds(t *testing.T) {
+	century := 100 * 365 * 24 * time.Hour
+	for _, c := range []struct {
+		seconds float64
+		want    time.Duration
+	}{{0, 0}, {1.5, 1500 * time.Millisecond}, {-2, -2 * time.Second}, {-6.3e10, -century}, {1e12, century}} {
+		before := time.Now()
+		got := dueAt(c.seconds)
+		if d := got.Sub(before); d < c.want || d > c.want+time.Second {
+			t.Errorf("dueAt(%g) is %v from now, want %v", c.seconds, d, c.want)
+		}
+	}
+}

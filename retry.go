@@ -331,13 +331,13 @@ func flipDue(ctx context.Context, conn *sql.Conn, skip []int64) (int64, time.Tim
 // retry_at is the database's time, and read as a time on ours it came due late by as much as
 // the database's clock was ahead, every retry and every run_at (TestRetryDueOnDatabaseClock),
 // and early, for a flip every second until the clocks agreed, when it was behind. Read as an
-// interval, it is as late as the statement took to answer, never early. Times centuries away
-// stay far: a time.Duration holds 292 years.
+// interval, it is as late as the statement took to answer, never early. Times centuries away,
+// either way (a stage's Defer of Go's zero time is in year 1), are held at a century: a
+// time.Duration holds 292 years, and a float out of its range converts to whatever the
+// machine makes of it.
 func dueAt(seconds float64) time.Time {
 	const far = 100 * 365 * 24 * time.Hour
-	if seconds >= far.Seconds() {
-		return time.Now().Add(far)
-	}
+	seconds = max(-far.Seconds(), min(seconds, far.Seconds()))
 	return time.Now().Add(time.Duration(seconds * float64(time.Second)))
 }
 

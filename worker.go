@@ -282,11 +282,10 @@ func (w *worker) waitLoop(ctx context.Context, events chan<- event, readDone, lo
 // words and its session's refusal among them (TestLogLoopLongLine).
 func logLoop(errR *os.File, log *slog.Logger) (signs stderrSigns) {
 	r := bufio.NewReaderSize(errR, 4096)
-	var line []byte
+	var buf []byte
 	for {
-		var cut int
-		var err error
-		line, cut, err = readLogLine(r, line[:0], stderrLineMax)
+		line, cut, err := readLogLine(r, buf[:0], stderrLineMax)
+		buf = line
 		if err != nil {
 			// EOF, or the pipe closed under us (waitLoop's grace): nothing more to log.
 			return signs
@@ -312,7 +311,8 @@ const stderrLineMax = 64 << 10
 func readLogLine(r *bufio.Reader, buf []byte, limit int) (line []byte, cut int, err error) {
 	read := 0
 	for {
-		frag, err := r.ReadSlice('\n')
+		var frag []byte
+		frag, err = r.ReadSlice('\n')
 		read += len(frag)
 		keep := min(len(frag), max(0, limit-len(buf)))
 		buf = append(buf, frag[:keep]...)

@@ -1107,8 +1107,7 @@ class _Server:
             "stages": _text_array([k[0] for k in ks]),  # type: ignore[index]
             "statuses": _text_array([k[1] for k in ks]),  # type: ignore[index]
             "retry": _text_array([k[2] if isinstance(k[2], str) else None for k in ks]),  # type: ignore[index]
-            "retry_in": "{" + ",".join([repr(k[2]) if isinstance(k[2], float) else "NULL"  # type: ignore[index]
-                                        for k in ks]) + "}",
+            "retry_in": _float_array([k[2] if isinstance(k[2], float) else None for k in ks]),  # type: ignore[index]
             "states": _text_array([k[3] for k in ks]),  # type: ignore[index]
             "guard": self.cfg.stage,
             "n": len(kept),
@@ -1137,6 +1136,11 @@ def _text_array(values: List[Optional[str]]) -> str:
         else:
             parts.append('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"')
     return "{" + ",".join(parts) + "}"
+
+
+def _float_array(values: List[Optional[float]]) -> str:
+    """_text_array for numbers: a PostgreSQL array literal of the values (None: NULL)."""
+    return "{" + ",".join("NULL" if v is None else repr(v) for v in values) + "}"
 
 
 def _power_of_ten(n: int) -> bool:
