@@ -247,6 +247,10 @@ type behaviour struct {
 	// NoRun: record no run, leaving m.Tx alone, so that the outcome is kept and written by
 	// the batch's one outcome statement after the transaction (stage/batch.go).
 	NoRun bool `json:"no_run"`
+	// FillDiskAt: at this stage, run a query whose function scan spills more rows to temporary
+	// files than a small disk holds (work_mem at its least), so that the server fails it for a
+	// full disk (53100) and frees its files as it fails (TestDiskFilledByItsMessage).
+	FillDiskAt string `json:"fill_disk_at"`
 }
 
 // pipelineWorker is the SDK stage used by most tests: it records the run, then advances to
@@ -284,6 +288,14 @@ func pipelineWorker() int {
 				}
 				_, err := m.Tx.ExecContext(ctx, `SELECT pg_sleep(3600)`)
 				return fmt.Errorf("the held statement ended: %v", err)
+			}
+		case b.FillDiskAt:
+			if _, err := m.Tx.ExecContext(ctx, `SET LOCAL work_mem = '64kB'`); err != nil {
+				return fmt.Errorf("set work_mem: %w", err)
+			}
+			var n int64
+			if err := m.Tx.QueryRowContext(ctx, `SELECT count(*) FROM generate_series(1, 1000000000)`).Scan(&n); err != nil {
+				return fmt.Errorf("fill the disk: %w", err)
 			}
 		case b.FailAt:
 			if b.FailN == 0 || m.Attempts < b.FailN {

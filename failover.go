@@ -180,7 +180,7 @@ type haStatus struct {
 	reconciles    int64 // reconciles after a re-lock
 	reset         int64 // running rows not held, put back to pending
 	forgotten     int64 // held messages whose row was no longer our claim
-	outageRetried int64 // failures of the outage, retried without an attempt
+	outageRetried int64 // failures of the outage or of a full disk (diskfull.go), retried without an attempt
 	takeovers     int64 // 1 once this instance took the lock over from another (standby)
 }
 
@@ -225,7 +225,7 @@ func (b *haBoard) writeHA(p *promWriter) {
 	p.sample("pepsi_reconciles_total", "counter", "Reconciles of the table with memory after a re-lock.", "", s.reconciles)
 	p.sample("pepsi_reconcile_reset_total", "counter", "Running rows no worker held, put back to pending by a reconcile.", "", s.reset)
 	p.sample("pepsi_reconcile_forgotten_total", "counter", "Held messages no longer claimed by this dispatcher, forgotten by a reconcile.", "", s.forgotten)
-	p.sample("pepsi_outage_retried_total", "counter", "Failures caused by a database outage, retried without an attempt.", "", s.outageRetried)
+	p.sample("pepsi_outage_retried_total", "counter", "Failures caused by a database outage or a full disk, retried without an attempt.", "", s.outageRetried)
 	p.sample("pepsi_takeovers_total", "counter", "Times this dispatcher took the lock over from another one.", "", s.takeovers)
 }
 

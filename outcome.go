@@ -37,6 +37,8 @@ func (c *coordinator) onReplies(ev workerReplies) {
 			c.onSuccess(w, m, r)
 		} else if c.outageFailure(w, m, r.text) {
 			// the database's outage, not the message's: back to pending (failover.go)
+		} else if c.diskFullFailure(w, m, r.text, now) {
+			// a full disk, not the message: back to pending, the stage held (diskfull.go)
 		} else {
 			st.Failed++
 			reason := fmt.Sprintf("stage %s: status %d", w.stage, r.status)
