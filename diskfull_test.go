@@ -3,6 +3,7 @@
 package main
 
 import (
+	"database/sql"
 	"fmt"
 	"os"
 	"os/exec"
@@ -22,14 +23,18 @@ import (
 // says the claims are taken again if it said they were refused. Needs root, for the mount; it
 // skips, saying so, without.
 func TestDatabaseDiskFull(t *testing.T) {
-	diskFullBacklog(t, stageConf(t, "a", "", "PARALLELISM = 2"), "pipeline")
+	diskFullBacklog(t, nil, stageConf(t, "a", "", diskFullStage), "pipeline", `{"sleep_ms": 1}`)
 }
 
 // TestDatabaseDiskFullPython is TestDatabaseDiskFull with the Python SDK's stage: its batch,
 // its outcome statement and its handler's write meet the full disk, each in its own words
 // (psycopg's, without lib/pq's SQLSTATE). Needs root, for the mount, and Debian's python3
 // with psycopg.
-func TestDatabaseDiskFullPython(t *testing.T) {
+func TestDatabaseDiskFullPython(t *testing.T) { diskFullPython(t, nil, `{"sleep_ms": 1}`) }
+
+// diskFullPython runs diskFullBacklog through the Python SDK's test stage (stage_prog.py), its
+// messages with payload; prepare, if not nil, readies the schema's server first.
+func diskFullPython(t *testing.T, prepare func(*testSchema), payload string) {
 	py := pythonWithPsycopg(t)
 	prog, err := filepath.Abs(filepath.Join("python", "tests", "stage_prog.py"))
 	if err != nil {
@@ -39,9 +44,37 @@ func TestDatabaseDiskFullPython(t *testing.T) {
 	os.Chmod(marks, 0o777) // the workers run as nobody when the tests run as root
 	// The program is the script (PROGRAM is a path, no arguments); its "#!/usr/bin/env python3"
 	// finds py first on PATH.
-	diskFullBacklog(t, "[stage-a]\nPROGRAM = "+prog+"\nNEXT =\nPARALLELISM = 2\n", "",
+	diskFullBacklog(t, prepare, "[stage-a]\nPROGRAM = "+prog+"\nNEXT =\n"+diskFullStage+"\n", "", payload,
 		"PATH="+filepath.Dir(py)+string(os.PathListSeparator)+os.Getenv("PATH"),
 		"PYTHONPATH="+filepath.Dir(filepath.Dir(prog)), "TEST_MARK_DIR="+marks)
+}
+
+// TestDatabaseDiskFullPythonGerman is TestDatabaseDiskFullPython with the server's messages in
+// German (lc_messages, as initdb sets it on a German system): a full disk is "konnte Datei
+// »…« nicht erweitern: Auf dem Gerät ist kein Speicherplatz mehr verfügbar", and only the
+// SQLSTATE, which the Python SDK writes after psycopg's text as lib/pq does, says so to the
+// dispatcher. Its handlers write nothing (norecord), so that every write the full disk refuses
+// is the SDK's outcome statement, whose failure carries no class name (the SDK before charged
+// those); with nothing in the runs table, "none ran twice" checks nothing here. Needs the
+// de_DE.UTF-8 locale (.ci/run makes it) and PostgreSQL's German messages.
+func TestDatabaseDiskFullPythonGerman(t *testing.T) {
+	diskFullPython(t, func(s *testSchema) {
+		if _, err := s.DB.Exec(`SET lc_messages = 'de_DE.UTF-8'`); err != nil {
+			t.Skipf("the server has no de_DE.UTF-8 locale (%v): the German disk-full test did NOT run", err)
+		}
+		s.exec(t, `ALTER SYSTEM SET lc_messages = 'de_DE.UTF-8'`)
+		s.exec(t, `SELECT pg_reload_conf()`)
+		waitFor(t, 10*time.Second, "the server speaks German", func() bool {
+			// A new session each time (the pool's may predate the reload): a DSN of its own.
+			db, err := sql.Open("postgres", s.DSN)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer db.Close()
+			_, err = db.Exec(`SELECT 1/0`)
+			return err != nil && strings.Contains(err.Error(), "Division durch Null")
+		})
+	}, `{"sleep_ms": 1, "norecord": true}`)
 }
 
 // pythonWithPsycopg returns a python3 that imports psycopg ($PYTHON, as the README's test
@@ -60,14 +93,27 @@ func pythonWithPsycopg(t *testing.T) string {
 	return ""
 }
 
+// diskFullStage is the stage's settings in the disk-full backlogs: two workers, each with up to
+// 500 messages queued, so that when the disk fills up their batches have messages to run
+// against it whoever meets it first. Whether a batch's write needs a new page before the
+// claim's does is still the race's: the workers met the full disk in 7 runs of 9 here (all
+// three tests), the claim alone in the others; TestDiskFilledByItsMessage and
+// TestDiskFullTexts are the tests that do not depend on it.
+const diskFullStage = "PARALLELISM = 2\nQUEUE_LIMIT = 500"
+
 // diskFullBacklog: the disk under the database fills up while a backlog of 20,000 runs through
-// the stage of section [stage-a], stays full for a while, and is freed (TestDatabaseDiskFull).
-func diskFullBacklog(t *testing.T, section, worker string, env ...string) {
+// the stage of section [stage-a], its messages with payload, stays full for a while, and is
+// freed (TestDatabaseDiskFull); prepare, if not nil, readies the schema's server before the
+// backlog.
+func diskFullBacklog(t *testing.T, prepare func(*testSchema), section, worker, payload string, env ...string) {
 	root, p := diskFullCluster(t)
 	s := p.schema(t)
+	if prepare != nil {
+		prepare(s)
+	}
 	s.exec(t, runsDDL)
 	const n = 20000
-	enqueue(t, s, "a", n, `{"sleep_ms": 1}`)
+	enqueue(t, s, "a", n, payload)
 	d := startDaemon(t, baseConf(s, "")+section, worker, env...)
 	waitFor(t, 30*time.Second, "the backlog started", func() bool { return countStatus(t, s, "done") > 0 })
 

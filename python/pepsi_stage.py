@@ -748,6 +748,16 @@ RETURNING w.workqueue_id)
 SELECT count(*), CASE WHEN count(*) < %(n)s THEN array_agg(workqueue_id)::text END FROM written"""
 
 
+def _pg_text(e: BaseException) -> str:
+    """e's text, and, for an error the server sent, its SQLSTATE in parentheses after it, as
+    lib/pq words its errors (the Go SDK's): the dispatcher reads a failure's reason for the
+    database's outage or a full disk by those codes as well as by the server's words, which
+    follow the server's lc_messages (a German server's full disk is "Auf dem Gerät ist kein
+    Speicherplatz mehr verfügbar"; TestDatabaseDiskFullPythonGerman)."""
+    code = getattr(e, "sqlstate", None) if isinstance(e, psycopg.Error) else None
+    return f"{e} ({code})" if code else str(e)
+
+
 def _one_line(s: str) -> str:
     # A lone surrogate (os.fsdecode's form of a byte that is not UTF-8, in a file name an
     # exception quotes) has no UTF-8: written as its escape, \udce9, or the encode raised and
@@ -1006,7 +1016,7 @@ class _Server:
             if _is_transient(e) and not last_try:
                 raise _Transient(e)
             # The transaction is gone with everything in it: every message run fails.
-            reason = "1 " + _one_line(f"batch transaction failed: {e}")
+            reason = "1 " + _one_line(f"batch transaction failed: {_pg_text(e)}")
             for i in range(ran):
                 if replies[i] is None or replies[i].startswith("0"):  # type: ignore[union-attr]
                     replies[i] = reason
@@ -1028,7 +1038,7 @@ class _Server:
         except psycopg.Error as e:
             if _is_connection_error(e, self.conn):
                 raise
-            exc, reason = e, f"{type(e).__name__}: {e}"
+            exc, reason = e, f"{type(e).__name__}: {_pg_text(e)}"
         except Fail as e:
             exc, reason = e, str(e) or "failed"
         except Exception as e:
@@ -1037,7 +1047,7 @@ class _Server:
         m._live = False
         if reason is None:
             if m._write_error is not None:
-                reason = f"handler returned after its outcome failed: {m._write_error}"
+                reason = f"handler returned after its outcome failed: {_pg_text(m._write_error)}"
             elif m._second:
                 reason = f"handler chose more than one outcome ({m._chosen}, then {m._second})"
             elif not m._chosen:
@@ -1052,7 +1062,7 @@ class _Server:
             except psycopg.Error as e:
                 if _is_connection_error(e, self.conn):
                     raise
-                reason = f"{m._chosen} message {m.id}: {e}"
+                reason = f"{m._chosen} message {m.id}: {_pg_text(e)}"
         if batch.begun and self.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
             raise _Fatal(f"message {m.id}: the handler committed or rolled back the batch transaction "
                          "(the SDK owns it)")
@@ -1079,7 +1089,7 @@ class _Server:
                 except psycopg.Error as e1:
                     if _is_connection_error(e1, self.conn):
                         raise _Lost(e1, claims)
-                    replies[m._index] = "1 " + _one_line(f"{m._chosen} message {m.id}: {e1}")
+                    replies[m._index] = "1 " + _one_line(f"{m._chosen} message {m.id}: {_pg_text(e1)}")
                     m._kept = None
         for m in kept:
             if m._kept is not None and m.id not in written:

@@ -15,7 +15,8 @@ outcome, then done), fail, write_fail (record, then fail: the record must roll b
 none (no outcome), two (two outcomes), bad_next, terminate (pg_terminate_backend of its own
 session, once per message: a marker file in $TEST_MARK_DIR), exit (crash), commit (commits
 the SDK's transaction: fatal), state (set state keys), dup (violate a unique index, catch it,
-then done: the outcome must fail), hold (the first attempt writes its own row, sets
+then done: the outcome must fail), dup_at_commit (insert a row that a deferred unique constraint
+refuses at the batch's COMMIT, then the default), hold (the first attempt writes its own row, sets
 client_connection_check_interval for its transaction, then waits in a statement that does not
 end: MAX_RUNTIME kills the worker; then as the default).
 """
@@ -94,6 +95,8 @@ def handle(m: Message) -> None:
         m.execute("COMMIT")
     if do == "state":
         m.state["by_" + m.stage] = p.get("state_value", m.id)
+    if do == "dup_at_commit":
+        m.execute("INSERT INTO uniq_deferred (k) VALUES (1)")
     if do == "dup":
         try:
             m.execute("INSERT INTO uniq (k) VALUES (1)")

@@ -89,6 +89,24 @@ def test_outcomes(schema: Schema, worker_factory) -> None:
     assert [i for i, s in runs(schema)] == sorted([adv, done, dfr, split, split0, srange])
 
 
+def test_batch_commit_refused(schema: Schema, worker_factory) -> None:
+    """A batch whose COMMIT the server refuses fails every message it ran, with the server's
+    words and the SQLSTATE after them, as lib/pq words its errors: the dispatcher reads a
+    failure for an outage or a full disk by the code as well as by the words, which follow the
+    server's lc_messages. Nothing of the batch is written."""
+    schema.q("CREATE TABLE uniq_deferred (k int UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+    schema.q("INSERT INTO uniq_deferred VALUES (1)")
+    ids = schema.enqueue("a", [{}, {"do": "dup_at_commit"}, {}])
+    schema.claim("a", ids)
+    w = start(schema, worker_factory)
+    w.send(ids)
+    got = w.replies(len(ids))
+    assert w.close() == 0
+    assert len(set(got)) == 1 and got[0].startswith("1 batch transaction failed: ") and got[0].endswith(" (23505)"), got
+    assert runs(schema) == []
+    assert [rows(schema, ids)[i][1] for i in ids] == ["running"] * 3
+
+
 def test_batch_savepoints(schema: Schema, worker_factory) -> None:
     """One batch, one transaction: a message whose handler raises after writing rolls back
     only its own writes; the others commit together."""
@@ -104,7 +122,7 @@ def test_batch_savepoints(schema: Schema, worker_factory) -> None:
     assert got[0] == got[2] == got[4] == "0" and got[6] == "0 done"
     assert got[1] == "1 RuntimeError: wrote, then failed"
     assert got[3] == "1 ValueError: a bug"
-    assert got[5].startswith("1 ") and "InFailedSqlTransaction" in got[5]
+    assert got[5].startswith("1 ") and "InFailedSqlTransaction" in got[5] and got[5].endswith(" (25P02)")
     ok = [ids[0], ids[2], ids[4], ids[6]]
     assert [i for i, _ in runs(schema)] == ok
     # They committed in one transaction (txid_current() is the top-level transaction).
