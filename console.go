@@ -28,6 +28,8 @@ import (
 	"unicode/utf8"
 
 	"pepsi-dispatch/internal/printable"
+
+	"github.com/lib/pq"
 )
 
 // consoleStatementTimeout bounds every query a page runs: a slow page must never hold a
@@ -456,6 +458,17 @@ func searchSQL(q searchQuery) (string, []any) {
 	return s, args
 }
 
+// isPathError reports whether err, a search's, is its JSON path's: the path's grammar
+// (syntax_error, 42601) or a data exception its own parts raise (class 22: a like_regex
+// pattern that is no regular expression, 2201B; a datetime() template, 22007 ...). The
+// search's other values are checked before the query, and none of them can raise those. Read
+// by the SQLSTATE, not the text: a regular expression's error does not say "jsonpath", and a
+// server's lc_messages may word the rest in another language (TestConsolePages).
+func isPathError(err error) bool {
+	var pe *pq.Error
+	return errors.As(err, &pe) && (pe.Code == "42601" || pe.Code.Class() == "22")
+}
+
 func (c *console) search(r *http.Request) (string, string, any, error) {
 	q, err := parseSearch(r.URL.Query())
 	if err != nil {
@@ -466,7 +479,7 @@ func (c *console) search(r *http.Request) (string, string, any, error) {
 	stmt, args := searchSQL(q)
 	rows, err := c.pool().QueryContext(ctx, stmt, args...)
 	if err != nil {
-		if q.JSONPath != "" && strings.Contains(err.Error(), "jsonpath") {
+		if q.JSONPath != "" && isPathError(err) {
 			return "", "", nil, &httpError{http.StatusBadRequest, "the JSON path is not valid: " + err.Error()}
 		}
 		return "", "", nil, fmt.Errorf("search messages: %w", err)
