@@ -676,7 +676,7 @@ func TestOperateActionRefusedRow(t *testing.T) {
 		{"hold", "pending", "held", "is locked by the application"},
 		{"release", "held", "pending", "is locked by the application"},
 		{"cancel", "pending", "cancelled", "is locked by the application"},
-		{"delete", "done", "", "violates foreign key constraint"},
+		{"delete", "done", "", "app_audit_id_fkey"}, // the constraint's name: the words follow lc_messages
 	} {
 		var ids []int64
 		for i := range 3 {

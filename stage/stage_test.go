@@ -1044,7 +1044,7 @@ func TestKeptOutcomes(t *testing.T) {
 	k.takeBack(t, sch, moved)
 	r := sv.replies(t, 5)
 	wantFailure(t, r[0], "claim lost")
-	wantFailure(t, r[1], "unsupported Unicode escape")
+	wantFailure(t, r[1], "(22P05)") // untranslatable_character: "unsupported Unicode escape" in English
 	if r[2] != "0" || r[4] != "0" {
 		t.Errorf("replies %q: want 0 for the third and fifth", r)
 	}
@@ -1081,7 +1081,7 @@ func TestKeptOutcomesWithoutTransaction(t *testing.T) {
 	k.takeBack(t, sch, moved)
 	r := sv.replies(t, 3)
 	wantFailure(t, r[0], "claim lost")
-	wantFailure(t, r[1], "unsupported Unicode escape")
+	wantFailure(t, r[1], "(22P05)") // untranslatable_character: "unsupported Unicode escape" in English
 	if r[2] != "0" {
 		t.Errorf("reply %q for the deferred message, want 0", r[2])
 	}
