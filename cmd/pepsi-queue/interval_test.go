@@ -26,6 +26,12 @@ func TestParseIntervalAgainstPostgreSQL(t *testing.T) {
 		t.Fatalf("a connection of the schema: %v", err)
 	}
 	defer conn.Close()
+	// PostgreSQL's epoch, the reference, exact: a role's or a server's extra_float_digits = 0
+	// (the default before PostgreSQL 12) prints 15 significant digits, short of a microsecond
+	// on years.
+	if _, err := conn.ExecContext(ctx, "SET extra_float_digits = 3"); err != nil {
+		t.Fatalf("SET extra_float_digits: %v", err)
+	}
 	secs := []float64{0, 0.5, 1, 59.999999, 60, 3599, 3600, 86399.5, 86400, 86401, 90061.123456, 172800,
 		10*86400 + 5, 400 * 86400, 4000*86400 + 0.25, -0.5, -1, -86400, -86401, -90061.25, -400 * 86400}
 	rng := rand.New(rand.NewSource(7))
