@@ -3,11 +3,11 @@
 // A full disk under the database refuses whatever needs a new page: a worker's handler, its
 // batch's COMMIT, its outcome statement. Each message of such a batch is answered as a failure
 // (stage/batch.go), and was charged as one, so a disk full for longer than MAX_ATTEMPTS retries
-// failed messages that did nothing wrong (TestDatabaseDiskFull: 73 to 152 of 20,000 charged
-// when the disk was full for about a second). A failure whose reason says a disk was full now
-// puts its message back to pending without an attempt, and holds its stage for a second, as a
-// claim the full disk refuses is tried again a second later (claim.go), so that its workers do
-// not run its backlog against the full disk meanwhile.
+// failed messages that did nothing wrong (TestDatabaseDiskFull: 31 to 152 of 20,000 charged
+// in six runs of eight, the disk full for a second or two). A failure whose reason says a disk was full now
+// puts its message back to pending without an attempt, and holds its stage for heldRetryGap,
+// after which a claim the full disk refused is tried again too (claim.go), so that its workers
+// do not run its backlog against the full disk meanwhile.
 //
 // Save one kind: a message whose own query spilled its rows to temporary files until the disk
 // was full. The server frees those files as the query fails, so the disk is not full for
@@ -60,12 +60,12 @@ func (c *coordinator) diskFullFailure(w *worker, m *message, text string, now ti
 		return false // the stage is gone (a reload): nothing to hold, the failure is as it is
 	}
 	if !p.held(now) {
-		p.holdUntil = now.Add(holdMin)
+		p.holdUntil = now.Add(heldRetryGap)
 		c.timers.schedule(timerKey{timerHold, p.id}, p.holdUntil)
 	}
 	if p.diskFullPutBack++; p.diskFullSaid.IsZero() || now.Sub(p.diskFullSaid) >= diskFullSayEvery {
 		c.log.Error("a disk was full; the message goes back to pending, no attempt charged, and the stage is held",
-			"stage", w.stage, "pid", w.pid, "id", m.id, "put_back", p.diskFullPutBack, "hold", holdMin,
+			"stage", w.stage, "pid", w.pid, "id", m.id, "put_back", p.diskFullPutBack, "hold", heldRetryGap,
 			"reason", clip(text, 200))
 		p.diskFullSaid, p.diskFullPutBack = now, 0
 	}
