@@ -44,10 +44,6 @@ func isDiskFullText(s string) bool {
 	return containsAny(s, diskFullMarks) && !containsAny(s, ownTempFileMarks)
 }
 
-// diskFullSayEvery spaces the log's lines about one stage's messages put back for a full disk:
-// a disk full for an hour puts a batch back every second.
-const diskFullSayEvery = time.Minute
-
 // diskFullFailure handles a failure line whose reason says a disk was full: the message goes
 // back to pending without an attempt and the stage is held for a second (see the top of the
 // file). It reports whether it took the failure.
@@ -59,15 +55,17 @@ func (c *coordinator) diskFullFailure(w *worker, m *message, text string, now ti
 	if p == nil {
 		return false // the stage is gone (a reload): nothing to hold, the failure is as it is
 	}
-	if !p.held(now) {
+	// One line per hold (the first message of it), rate-limited as a stage's failure lines
+	// are: a disk full for an hour holds the stage every second.
+	held := p.held(now)
+	if !held {
 		p.holdUntil = now.Add(heldRetryGap)
 		c.timers.schedule(timerKey{timerHold, p.id}, p.holdUntil)
 	}
-	if p.diskFullPutBack++; p.diskFullSaid.IsZero() || now.Sub(p.diskFullSaid) >= diskFullSayEvery {
+	if unlogged, ok := p.diskFullLog.admit(now, held); ok {
 		c.log.Error("a disk was full; the message goes back to pending, no attempt charged, and the stage is held",
-			"stage", w.stage, "pid", w.pid, "id", m.id, "put_back", p.diskFullPutBack, "hold", heldRetryGap,
+			"stage", w.stage, "pid", w.pid, "id", m.id, "hold", heldRetryGap, "put_back_not_logged", unlogged,
 			"reason", clip(text, 200))
-		p.diskFullSaid, p.diskFullPutBack = now, 0
 	}
 	c.resets = append(c.resets, m)
 	c.ha.update(func(s *haStatus) { s.outageRetried++ })

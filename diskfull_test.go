@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"pepsi-dispatch/internal/pgtest"
 )
 
 // TestDatabaseDiskFull: the disk under the database fills up while a backlog runs (a cluster
@@ -77,20 +79,18 @@ func TestDatabaseDiskFullPythonGerman(t *testing.T) {
 	}, `{"sleep_ms": 1, "norecord": true}`)
 }
 
-// pythonWithPsycopg returns a python3 that imports psycopg ($PYTHON, as the README's test
-// command sets it, or Debian's, which CI installs), or skips, saying so.
+// pythonWithPsycopg returns the tests' Python interpreter (pgtest.Python), as a path, if it
+// imports psycopg, or skips, saying so.
 func pythonWithPsycopg(t *testing.T) string {
 	t.Helper()
-	for _, py := range []string{os.Getenv("PYTHON"), "/usr/bin/python3", "python3"} {
-		if py == "" || exec.Command(py, "-c", "import psycopg").Run() != nil {
-			continue
-		}
-		if abs, err := exec.LookPath(py); err == nil {
-			return abs
-		}
+	py, err := exec.LookPath(pgtest.Python())
+	if err == nil {
+		err = exec.Command(py, "-c", "import psycopg").Run()
 	}
-	t.Skip("no python3 with psycopg (Debian's python3-psycopg): the Python disk-full test did NOT run")
-	return ""
+	if err != nil {
+		t.Skipf("%s with psycopg (Debian's python3-psycopg): %v; the Python disk-full test did NOT run", pgtest.Python(), err)
+	}
+	return py
 }
 
 // diskFullStage is the stage's settings in the disk-full backlogs: two workers, each with up to

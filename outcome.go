@@ -149,8 +149,8 @@ const (
 	failureRunRecovered = 3
 )
 
-// failureLog is the rate limit of one stage's failure lines (and of the refused-write lines,
-// whose run is unused).
+// failureLog is the rate limit of one stage's failure lines (and of the refused-write lines and
+// a stage's full-disk lines, whose run is unused).
 type failureLog struct {
 	run      int       // consecutive failures, ended by a success
 	window   time.Time // start of the minute the lines below count in

@@ -42,10 +42,8 @@ type pool struct {
 	// message cannot hold its stage for ever.
 	startupHead int64
 
-	// diskFullSaid: when the log last said that the stage's messages were put back for a full
-	// disk; diskFullPutBack: how many were since (diskfull.go).
-	diskFullSaid    time.Time
-	diskFullPutBack int
+	// diskFullLog: the rate limit of the stage's "a disk was full" lines (diskfull.go).
+	diskFullLog failureLog
 
 	// smallPipeSaid: a worker's stdin pipe that holds fewer than QUEUE_LIMIT ids was logged.
 	smallPipeSaid bool

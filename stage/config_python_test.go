@@ -20,6 +20,8 @@ import (
 	"sync"
 	"testing"
 	"unicode/utf8"
+
+	"pepsi-dispatch/internal/pgtest"
 )
 
 // pyLoadConfig is the Python side: reads {"args": [...], "env": {...}} per line, answers
@@ -84,18 +86,14 @@ var (
 	pyErr  error
 )
 
-// pythonAndSDK is the interpreter the tests run Python with (PYTHON, as in the Makefile:
-// Debian's, where python3-psycopg is) and the directory of the Python SDK, for PYTHONPATH.
+// pythonAndSDK is the interpreter the tests run Python with (pgtest.Python) and the directory
+// of the Python SDK, for PYTHONPATH.
 func pythonAndSDK() (python, dir string, err error) {
 	dir, err = filepath.Abs("../python")
 	if err != nil {
 		return "", "", fmt.Errorf("find the Python SDK (../python): %w", err)
 	}
-	python = os.Getenv("PYTHON")
-	if python == "" {
-		python = "/usr/bin/python3"
-	}
-	return python, dir, nil
+	return pgtest.Python(), dir, nil
 }
 
 func pythonSDK(t testing.TB) *pySDK {

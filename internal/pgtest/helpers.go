@@ -1,14 +1,24 @@
 // helpers.go: the helpers that the daemon's tests and the SDK's tests share: one statement,
-// one integer, and the one way a test waits for a condition. Kept apart from pgtest.go, the
-// cluster and its schemas, because they need no cluster of their own.
+// one integer, the one way a test waits for a condition, and the Python interpreter. Kept
+// apart from pgtest.go, the cluster and its schemas, because they need no cluster of their own.
 
 package pgtest
 
 import (
 	"database/sql"
+	"os"
 	"testing"
 	"time"
 )
+
+// Python is the interpreter the tests run the Python SDK with: $PYTHON, as the Makefile sets
+// it, else Debian's, where python3-psycopg installs.
+func Python() string {
+	if p := os.Getenv("PYTHON"); p != "" {
+		return p
+	}
+	return "/usr/bin/python3"
+}
 
 // Exec runs one statement on db and fails the test on error.
 func Exec(t testing.TB, db *sql.DB, query string, args ...any) {

@@ -1,7 +1,7 @@
 // Package pgtest is the PostgreSQL harness of pepsi-dispatch's tests: the test run's private
 // cluster (or PEPSI_TEST_DSN), one fresh schema per test with schema.sql applied, and the
 // goroutine-leak check that ends each test binary; and the helpers both packages' tests use
-// (helpers.go: Exec, Int, WaitFor). It is imported only by _test files.
+// (helpers.go: Exec, Int, WaitFor, Python). It is imported only by _test files.
 package pgtest
 
 import (
