@@ -152,6 +152,15 @@ func TestConfigDSNSyntax(t *testing.T) {
 		"postgres://pepsi:" + pw + "%zz@db1/mail":   "not a valid postgres:// URL",
 		"postgres://pepsi:" + pw + "@db1/mail?sslmode=bogus&password=" + pw: `wrong value for "sslmode"`,
 		"dbname=x\\": "missing character after backslash",
+		// Quotes are part of a pepsi.conf value: a DSN written in quotes is refused as one,
+		// lib/pq having read the quote into the first key (a setting it would send the server,
+		// the host left to its default) or into a URL it no longer saw as one (whose error
+		// quoted it, password and all). So is a URL lib/pq does not take for one.
+		`"host=/run/postgresql dbname=mail password=` + pw + `"`: "starts with a quote",
+		`"postgres://pepsi:` + pw + `@db1/mail"`:                 "starts with a quote",
+		`'postgres://pepsi:` + pw + `@db1/mail'`:                 "starts with a quote",
+		"POSTGRES://pepsi:" + pw + "@db1/mail":                   `missing "="`,
+		"host=/run/postgresql d%bname=mail password=" + pw:       `"d%bname" is neither a connection keyword nor a setting's name`,
 	} {
 		got := loadErr(t, "[database]\n# the queue\nDSN = "+dsn+"\n")
 		if !strings.HasPrefix(got, "c.conf:3: DSN: ") || !strings.Contains(got, want) {

@@ -26,6 +26,9 @@ func TestBadDSNKeepsPassword(t *testing.T) {
 		{"host=h dbname=db password='s3cretPW", "s3cretPW", "unterminated quoted string literal"},
 		{"host=h password=s3cretPW sslmode=bogus", "s3cretPW", `wrong value for "sslmode"`},
 		{"host=h password='s3cret PW' sslmode=verify-no", "s3cret PW", `wrong value for "sslmode"`},
+		{`"postgres://u:s3cretPW@h/db"`, "s3cretPW", "starts with a quote"},
+		{"Postgres://u:s3cretPW@h/db", "s3cretPW", `missing "="`},
+		{`"host=h dbname=db password=s3cretPW"`, "s3cretPW", "starts with a quote"},
 	} {
 		check := func(from string, r result) {
 			t.Helper()

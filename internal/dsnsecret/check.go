@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"regexp"
+	"slices"
 	"strings"
 
 	"github.com/lib/pq"
@@ -15,9 +17,29 @@ import (
 // failure blamed on the application_name a program appends, or a wait for a database that no
 // retry can reach. The message never quotes the DSN: it may hold a password.
 func Check(dsn string) error {
-	_, err := pq.NewConnector(dsn)
+	// pepsi.conf takes a value as written, quotes included, and a shell has taken its quotes
+	// off PEPSI_DSN already: a DSN in quotes is quoted by mistake. lib/pq would read the quote
+	// into the first key, `"host`, and send that to the server as a setting while it connects
+	// to the default host, or would not see a URL as one.
+	if strings.HasPrefix(dsn, `"`) || strings.HasPrefix(dsn, "'") {
+		return errors.New("starts with a quote, which is taken as part of the value: remove the quotes")
+	}
+	cfg, err := pq.NewConfig(dsn) // what pq.NewConnector parses; it refuses nothing more
 	if err == nil {
-		return nil
+		// lib/pq sends a key it does not know to the server as a setting (statement_timeout=0
+		// is one); a key that cannot be a setting's name is a typo the server would refuse at
+		// every connect.
+		var bad []string
+		for k := range cfg.Runtime {
+			if !settingNameRe.MatchString(k) {
+				bad = append(bad, k)
+			}
+		}
+		if len(bad) == 0 {
+			return nil
+		}
+		slices.Sort(bad)
+		err = fmt.Errorf("%q is neither a connection keyword nor a setting's name", bad[0])
 	}
 	var ue *url.Error
 	if errors.As(err, &ue) {
@@ -30,3 +52,7 @@ func Check(dsn string) error {
 	}
 	return errors.New(Redact(msg, Secrets(dsn)))
 }
+
+// settingNameRe is the syntax of a PostgreSQL setting's name (a custom one has a dot:
+// guc.c's valid_custom_variable_name).
+var settingNameRe = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_$]*(\.[A-Za-z_][A-Za-z0-9_$]*)*$`)

@@ -54,10 +54,15 @@ func Secrets(dsn string) []string {
 	if cfg, err := pq.NewConfig(dsn); err == nil {
 		add(cfg.Password)
 	}
-	if rest, ok := cutAnyPrefix(dsn, "postgres://", "postgresql://"); ok {
-		head, query, _ := strings.Cut(rest, "?")
+	// The URL form, wherever a "://" is: lib/pq takes a URL only at the very start and in
+	// lower case, and parses one in quotes, in capitals or after a stray word as key=value,
+	// whose error quotes it whole.
+	for i := strings.Index(dsn, "://"); i >= 0; i = nextIndex(dsn, "://", i) {
+		head, query, _ := strings.Cut(dsn[i+3:], "?")
 		head, _, _ = strings.Cut(head, "#")
-		if at := strings.LastIndex(head, "@"); at >= 0 {
+		// The password ends at an '@', the last one when it parses (a password may hold
+		// one); in a broken DSN, at any of them.
+		for at := strings.LastIndex(head, "@"); at >= 0; at = strings.LastIndex(head[:at], "@") {
 			if _, pw, ok := strings.Cut(head[:at], ":"); ok {
 				add(pw)
 				if u, err := url.PathUnescape(pw); err == nil {
@@ -74,7 +79,9 @@ func Secrets(dsn string) []string {
 				}
 			}
 		}
-		return out
+	}
+	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
+		return out // lib/pq's URL: no key=value in it
 	}
 	for _, loc := range passwordKeyRe.FindAllStringIndex(dsn, -1) {
 		v := dsn[loc[1]:]
@@ -99,13 +106,13 @@ func Secrets(dsn string) []string {
 	return out
 }
 
-func cutAnyPrefix(s string, prefixes ...string) (string, bool) {
-	for _, p := range prefixes {
-		if rest, ok := strings.CutPrefix(s, p); ok {
-			return rest, true
-		}
+// nextIndex returns the index of the next sep in s after the one at i, or -1.
+func nextIndex(s, sep string, i int) int {
+	j := strings.Index(s[i+len(sep):], sep)
+	if j < 0 {
+		return -1
 	}
-	return s, false
+	return i + len(sep) + j
 }
 
 // quotedRe finds the Go-quoted strings of an error message ("…" with escapes).
