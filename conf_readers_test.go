@@ -76,6 +76,8 @@ func TestConfReaders(t *testing.T) {
 		"[database]\n# " + long + "\nDSN = x\n",
 		"[database]\n# " + long + "x\nDSN = x\n",
 		"[database]\n# " + long + "\r\nDSN = x\n",
+		"\uFEFF[database]\r\nDSN = a byte order mark first\r\n",
+		"[database]\n\uFEFFDSN = a byte order mark later is text\n",
 	} {
 		compareReaders(t, text)
 	}
@@ -92,6 +94,7 @@ func FuzzConfReaders(f *testing.F) {
 		"[mailer]\nverbose\n[database]\r\nDSN = a\n",
 		"x\n[database]\nDSN = a\nDSN = b\n",
 		"[stage-a]\n\tKEY\t=\tv\t\n; c\n# c\n[]\n",
+		"\uFEFF[database]\nDSN = a\n",
 	} {
 		f.Add(s)
 	}

@@ -81,6 +81,30 @@ func TestConfigLineLength(t *testing.T) {
 	}
 }
 
+// TestConfigByteOrderMark: a file an editor saved with a UTF-8 byte order mark (Windows'
+// Notepad) reads as the same file without it. Its first line's section header was not seen,
+// so the file's first key was "outside any [section]", or a whole section of ours was read
+// as another program's. A mark anywhere else is text, and an error in a key of ours.
+func TestConfigByteOrderMark(t *testing.T) {
+	dir := testDir(t)
+	plain := "[pepsi-dispatch]\r\nUSER = nobody\r\n[poolcounter]\r\nLISTEN = 127.0.0.1:0\r\n"
+	want, err := loadConfig(writeFile(t, dir, "plain.conf", plain))
+	if err != nil {
+		t.Fatalf("the file without a mark: %v", err)
+	}
+	got, err := loadConfig(writeFile(t, dir, "bom.conf", "\uFEFF"+plain))
+	if err != nil {
+		t.Fatalf("the file with a byte order mark: %v", err)
+	}
+	if got.Dispatch.User != want.Dispatch.User || got.PoolCounter.Listen != want.PoolCounter.Listen {
+		t.Errorf("with a byte order mark: USER %q, LISTEN %q; without: %q, %q",
+			got.Dispatch.User, got.PoolCounter.Listen, want.Dispatch.User, want.PoolCounter.Listen)
+	}
+	if e := loadErr(t, "[pepsi-dispatch]\n\uFEFFUSER = nobody\n"); !strings.HasPrefix(e, "c.conf:2: ") {
+		t.Errorf("a byte order mark on line 2: error %q, want one at c.conf:2", e)
+	}
+}
+
 // TestConfigBinaryFile (D5): a binary file is rejected, and the message quotes what is not
 // printable instead of sending it to the terminal, and stays short.
 func TestConfigBinaryFile(t *testing.T) {

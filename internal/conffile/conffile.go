@@ -70,7 +70,13 @@ func Parse(name string, r io.Reader) (*File, error) {
 		if len(sc.Bytes()) > MaxLine {
 			return c, tooLong(where)
 		}
-		line := strings.TrimSpace(sc.Text())
+		line := sc.Text()
+		if n == 1 {
+			// A byte order mark, which some editors (Windows' Notepad) write at the start
+			// of a UTF-8 file: not part of the first line's text.
+			line = strings.TrimPrefix(line, "\uFEFF")
+		}
+		line = strings.TrimSpace(line)
 		switch {
 		case line == "" || line[0] == '#' || line[0] == ';':
 			continue
