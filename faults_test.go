@@ -735,6 +735,39 @@ func TestMissingProgramHeldThenFixed(t *testing.T) {
 	d.stop()
 }
 
+// TestProgramStartExplained: a PROGRAM that exists but does not start gets the reason the
+// kernel leaves out. execve says "no such file or directory" for a script whose #! line names
+// a missing interpreter, which a line saved with Windows line ends does ("/bin/sh\r"): an
+// operator looking at the file could not tell what was missing. A script without a #! line is
+// "exec format error". The stage is held as for any program that does not start.
+func TestProgramStartExplained(t *testing.T) {
+	s := newTestSchema(t)
+	dir := testDir(t)
+	conf := baseConf(s, "")
+	for name, text := range map[string]string{
+		"crlf":    "#!/bin/sh\r\nexit 0\r\n",
+		"nobang":  "exit 0\n",
+		"missing": "#!/nonexistent/interpreter -u\nexit 0\n",
+	} {
+		script := writeFile(t, dir, name+".sh", text)
+		if err := os.Chmod(script, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		conf += fmt.Sprintf("[stage-%s]\nPROGRAM = %s\nPARALLELISM = 1\n", name, script)
+	}
+	d := startDaemon(t, conf, "none")
+	for _, name := range []string{"crlf", "nobang", "missing"} {
+		insertOne(t, s, name, `{}`)
+	}
+	d.waitLog("its #! line ends in a carriage return", 30*time.Second)
+	d.waitLog("exec format error: a script needs a #! line", 30*time.Second)
+	d.waitLog(`the interpreter its #! line names, \"/nonexistent/interpreter\", does not`, 30*time.Second)
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('pending', 'running') AND attempts = 0`); n != 3 {
+		t.Errorf("%d of 3 messages pending and uncharged while their stages are held", n)
+	}
+	d.stop()
+}
+
 // runPipelineUnderFault pushes n messages through three stages while fault runs, then checks
 // that every message is done and each (message, stage) ran exactly once.
 func checkExactlyOnce(t *testing.T, s *testSchema, n int) {

@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -155,7 +156,7 @@ func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- event, l
 		inW.Close()
 		outR.Close()
 		errR.Close()
-		return nil, fmt.Errorf("start worker of stage %s: %w", s.Name, err)
+		return nil, fmt.Errorf("start worker of stage %s: %w", s.Name, startFailure(s.Program, err))
 	}
 	w := &worker{id: id, stage: s.Name, gen: gen, pid: cmd.Process.Pid, cmd: cmd, stdin: inW,
 		started: time.Now(), idleSince: time.Now(), limit: pipeLimit(inW, s.QueueLimit)}
@@ -168,6 +169,40 @@ func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- event, l
 	go func() { defer wg.Done(); defer close(logDone); signs = logLoop(errR, wlog) }()
 	go func() { defer wg.Done(); w.waitLoop(ctx, events, readDone, logDone, outR, errR, &signs) }()
 	return w, nil
+}
+
+// startFailure adds what the kernel's answer leaves out when PROGRAM does not start: execve
+// says "no such file or directory" for a file that exists when the interpreter its #! line
+// names does not, which a line saved with Windows line ends makes of any interpreter
+// ("/bin/sh\r"), and "exec format error" for a script without a #! line, which a shell would
+// have run. Only the failure path reads the file's first line.
+func startFailure(program string, err error) error {
+	if !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, syscall.ENOEXEC) {
+		return err
+	}
+	f, oerr := os.Open(program)
+	if oerr != nil {
+		return err // it is the file that is missing, or unreadable to us
+	}
+	defer f.Close()
+	head := make([]byte, 256)
+	n, _ := io.ReadFull(f, head)
+	line, _, _ := bytes.Cut(head[:n], []byte("\n"))
+	shebang, isScript := bytes.CutPrefix(line, []byte("#!"))
+	switch {
+	case errors.Is(err, syscall.ENOEXEC) && !isScript:
+		return fmt.Errorf("%w: a script needs a #! line naming its interpreter", err)
+	case !errors.Is(err, fs.ErrNotExist):
+		return err
+	case isScript && bytes.HasSuffix(shebang, []byte("\r")):
+		return fmt.Errorf("%w: the file exists, but its #! line ends in a carriage return, "+
+			"which the kernel takes as part of the interpreter's name (the file has Windows line ends: convert it, e.g. with dos2unix)", err)
+	case isScript && len(bytes.Fields(shebang)) > 0:
+		return fmt.Errorf("%w: the file exists; the interpreter its #! line names, %q, does not", err, bytes.Fields(shebang)[0])
+	case bytes.HasPrefix(head[:n], []byte("\x7fELF")):
+		return fmt.Errorf("%w: the file exists; the dynamic loader it was built for does not (a program built for another system?)", err)
+	}
+	return err
 }
 
 // readLoop reads status lines until EOF, sending each burst of complete lines as one event.
