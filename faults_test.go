@@ -1058,6 +1058,31 @@ func TestBrokenProgramChargesNothing(t *testing.T) {
 	d.stop()
 }
 
+// TestDSNSettingsWarned: a DSN key that is a session setting (statement_timeout=0) works for
+// lib/pq, the daemon's and the Go SDK's driver, which sends it to the server, and is refused by
+// libpq, which the Python SDK and psql use ("invalid connection option"): their stages were held
+// forever on a DSN the daemon had accepted. The daemon says so at start, and runs; the same
+// setting in options='-c …' (which the tests' schemas use for search_path) draws no warning.
+func TestDSNSettingsWarned(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	conf := baseConf(s, "") + stageConf(t, "a", "", "PARALLELISM = 1")
+	d := startDaemon(t, strings.Replace(conf, s.DSN, s.DSN+" statement_timeout=0 lock_timeout=0", 1), "pipeline")
+	d.waitLog(`the DSN sets session settings as connection keys`, 30*time.Second)
+	d.waitLog(`keys=lock_timeout,statement_timeout`, time.Second)
+	id := insertOne(t, s, "a", `{}`)
+	waitFor(t, 30*time.Second, "the message done", func() bool { return row(t, s, id).status == "done" })
+	d.stop()
+
+	d = startDaemon(t, conf, "pipeline")
+	id = insertOne(t, s, "a", `{}`)
+	waitFor(t, 30*time.Second, "the message done", func() bool { return row(t, s, id).status == "done" })
+	d.stop()
+	if strings.Contains(d.log.String(), "session settings") {
+		t.Errorf("a DSN with options='-c search_path=…' was warned about:\n%s", d.log.String())
+	}
+}
+
 // TestScriptRefusedChargesNothing: a stage program that reads its id before it connects, a
 // shell script running psql here, tells the server's refusal only on its standard error (it
 // read the id): that line spares its head as TestWorkerConnectRefusedChargesNothing's workers,

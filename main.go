@@ -40,6 +40,7 @@ import (
 	"os/user"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -119,6 +120,12 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 		return 2
 	}
 	red.add(dsnsecret.Secrets(cfg.DSN)...)
+	if keys := dsnsecret.Settings(cfg.DSN); len(keys) > 0 {
+		// Not an error: the daemon and Go stages take them, and a system may have no other.
+		log.Warn("the DSN sets session settings as connection keys, which lib/pq takes and libpq refuses: "+
+			"a stage using libpq (the Python SDK, psql) will not connect; write them as options='-c NAME=VALUE'",
+			"keys", strings.Join(keys, ","))
+	}
 	err = serve(ctx, cfg, log)
 	var ce *configError
 	var re *reloadError

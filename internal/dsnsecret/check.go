@@ -56,3 +56,20 @@ func Check(dsn string) error {
 // settingNameRe is the syntax of a PostgreSQL setting's name (a custom one has a dot:
 // guc.c's valid_custom_variable_name).
 var settingNameRe = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_$]*(\.[A-Za-z_][A-Za-z0-9_$]*)*$`)
+
+// Settings returns the keys of dsn that lib/pq sends to the server as session settings
+// (search_path=mail, statement_timeout=0), sorted: libpq refuses every one of them ("invalid
+// connection option"), so a DSN that works for a Go program fails in psql and psycopg, where
+// options='-c search_path=mail' works in both. Nil for a DSN that does not parse.
+func Settings(dsn string) []string {
+	cfg, err := pq.NewConfig(dsn)
+	if err != nil {
+		return nil
+	}
+	var keys []string
+	for k := range cfg.Runtime {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}
