@@ -1205,7 +1205,9 @@ def run_stages(handlers: Mapping[str, Handler]) -> None:
     try:
         serve(cfg, handlers)
     except (ConnectionLost, OSError) as e:
-        sys.stderr.write(f"pepsi_stage {cfg.stage}: {e}\n")
+        # One line: the dispatcher logs a worker's standard error line by line, and libpq's
+        # messages end in a newline (a line per host when it tried several).
+        sys.stderr.write(f"pepsi_stage {cfg.stage}: {_one_line(str(e))}\n")
         sys.exit(1)
     sys.exit(0)
 

@@ -313,6 +313,21 @@ def test_connect_failure_exits_1(schema: Schema, worker_factory) -> None:
     assert b"connect to the database" in w.stderr
 
 
+def test_fatal_error_is_one_line(schema: Schema, worker_factory) -> None:
+    """A fatal error is one line on standard error, which the dispatcher logs line by line:
+    libpq's messages end in a newline (the dispatcher logged an empty line after each), and a
+    failed connect to several hosts is a line per host."""
+    for dsn, want in (("host=/nonexistent-dir port=1 dbname=x statement_timeout=0",
+                       b'invalid connection option "statement_timeout"'),
+                      ("host=/nonexistent-dir,/nonexistent-too port=1 dbname=x",
+                       b"connect to the database")):
+        w = worker_factory(TEST_STAGE, stage_env(schema, "a", "b", PEPSI_DSN=dsn))
+        assert w.proc.wait(30) == 1
+        w._errt.join(5)
+        assert want in w.stderr
+        assert w.stderr.count(b"\n") == 1 and w.stderr.endswith(b"\n"), w.stderr
+
+
 def test_split_state(schema: Schema, worker_factory) -> None:
     """fanout_split's state argument replaces the parent's state (NULL keeps it), as
     pepsi-worker(7) says; the SDK passes the state as loaded plus the handler's changes, so
