@@ -208,8 +208,11 @@ type stageView struct {
 	InFlight int
 	Paused   bool
 	Held     bool // launch cool-down
-	Oldest   time.Duration
-	Chart    template.HTML
+	// Stray: not a stage of the running configuration, so that nothing claims its messages
+	// (strays.go); known only when this daemon is the dispatcher.
+	Stray  bool
+	Oldest time.Duration
+	Chart  template.HTML
 }
 
 // consoleStatuses are the statuses the overview counts, in the order it shows them. Done rows
@@ -231,7 +234,8 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 	}
 	var heldWrites, heldGroups int       // the dispatcher's, waiting for rows another transaction holds
 	var refusedWrites, refusedGroups int // writes and fan-in wakes the database refuses by itself
-	if s := c.snap(); s != nil {
+	snap := c.snap()
+	if s := snap; s != nil {
 		for _, st := range s.stages {
 			v := get(st.name)
 			v.Workers, v.InFlight, v.Held, v.Paused = st.workers, st.inflight, st.held, st.paused
@@ -259,6 +263,7 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 	var out []*stageView
 	for name, v := range views {
 		v.Paused = v.Paused || paused[name] // the running configuration, or an overlay row not yet reloaded
+		v.Stray = snap != nil && !slices.ContainsFunc(snap.stages, func(st stageSnapshot) bool { return st.name == name })
 		v.Chart = chartSVG(c.samples.points(name))
 		out = append(out, v)
 	}

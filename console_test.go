@@ -45,7 +45,7 @@ func newConsoleHarness(t *testing.T, token string) *consoleHarness {
 		auth = &consoleAuth{secret: []byte(token)}
 	}
 	snap := &metricsSnapshot{
-		stages: []stageSnapshot{{name: "parse", workers: 2, inflight: 3}},
+		stages: []stageSnapshot{{name: "deliver"}, {name: "parse", workers: 2, inflight: 3}},
 		held:   1, faninHeld: 2,
 		config: []*StageConfig{{Name: "parse", Program: "/bin/<b>parse</b>", Parallelism: 2, QueueLimit: 4, MaxAttempts: 5}},
 	}
@@ -124,6 +124,7 @@ func TestConsolePages(t *testing.T) {
 	h.s.exec(t, `INSERT INTO workqueue (stage, status, attempts, payload, state)
 	             VALUES ('deliver', 'failed', 5, '{}', '{"dispatch_error": "stage deliver: <b>relay</b> 10.0.0.1:25 down"}')`)
 	h.s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-deliver', 'PAUSED', 'yes')`)
+	h.s.exec(t, `INSERT INTO workqueue (stage, payload) VALUES ('delivre', '{}')`) // no such stage
 
 	for _, tc := range []struct {
 		path string
@@ -132,7 +133,8 @@ func TestConsolePages(t *testing.T) {
 	}{
 		{"/", 200, []string{`id="stage-parse"`, `id="stage-deliver"`, `class="stage paused" id="stage-deliver"`,
 			`href="/search?stage=deliver&amp;status=failed">1<`, "workers <b>2</b>", "in flight <b>3</b>", "<svg class=\"chart\"",
-			"<b>1</b> failure or reset write (their messages stay running); <b>2</b> fan-in groups (their parents stay waiting)"}},
+			"<b>1</b> failure or reset write (their messages stay running); <b>2</b> fan-in groups (their parents stay waiting)",
+			`<h2>delivre <span class="badge warn">not configured</span></h2>`}},
 		{"/stages", 200, []string{"&lt;b&gt;parse&lt;/b&gt;", "<td>PAUSED</td>"}},
 		{"/search", 200, []string{`href="/message/1"`, `href="/message/2"`, "&lt;b&gt;relay&lt;/b&gt;"}},
 		{"/search?status=failed", 200, []string{`href="/message/2"`}},
@@ -158,6 +160,9 @@ func TestConsolePages(t *testing.T) {
 		{"/static/../console.go", 404, nil},
 	} {
 		code, body := h.get(t, nil, tc.path)
+		if n := strings.Count(body, "not configured</span>"); tc.path == "/" && n != 1 {
+			t.Errorf("GET /: %d stages marked not configured, want 1 (delivre)", n)
+		}
 		if code != tc.code {
 			t.Errorf("GET %s: status %d, want %d\n%s", tc.path, code, tc.code, body)
 			continue

@@ -108,6 +108,7 @@ type coordinator struct {
 	notifier *notifier      // systemd readiness and watchdog; no-op outside systemd
 	retain   *retainer      // nil unless RETENTION is set
 	ha       *haBoard       // the role, the server and the reconciles (failover.go)
+	strays   strays         // pending rows at stages the configuration lacks (strays.go)
 	started  time.Time
 	claimMax time.Duration // the longest claim statement since the start (/metrics)
 
@@ -195,6 +196,7 @@ func (c *coordinator) loop() error {
 	if d := watchdogInterval(); d > 0 {
 		c.timers.schedule(timerKey{kind: timerSDWatchdog}, now)
 	}
+	c.timers.schedule(timerKey{kind: timerStrays}, now.Add(time.Second))
 	c.claimWanted, c.retryWanted = true, true
 	for {
 		c.settle()
@@ -263,6 +265,7 @@ func (ev faninFlushed) handleIn(c *coordinator)  { c.onFlushed(ev) }  // fanin.g
 func (ev faninSwept) handleIn(c *coordinator)    { c.onSwept(ev) }    // fanin.go
 func (ev faninReadied) handleIn(c *coordinator)  { c.onReadied(ev) }  // fanin.go
 func (ev retentionDone) handleIn(c *coordinator) { c.onRetained(ev) } // retention.go
+func (ev straysFound) handleIn(c *coordinator)   { c.onStrays(ev) }   // strays.go
 
 func (c *coordinator) handle(ev event) { ev.handleIn(c) }
 
@@ -434,6 +437,11 @@ func (c *coordinator) onTimers() {
 			c.timers.schedule(key, now.Add(retentionEvery))
 			if c.inflightAll == 0 && c.locked && !c.shutdown && !c.retain.running {
 				c.startRetention() // the loop stops it when messages are in flight again
+			}
+		case timerStrays:
+			c.timers.schedule(key, now.Add(strayEvery))
+			if c.locked && !c.shutdown && !c.strays.running {
+				c.startStrayCheck()
 			}
 		case timerMetrics:
 			c.metrics.publish(c.snapshot())

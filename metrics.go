@@ -43,6 +43,7 @@ type metricsSnapshot struct {
 	refused      int // writes the database refused by themselves, tried again (outcome.go)
 	faninHeld    int // fan-in groups the last flush passed over: another transaction holds a row (fanin.go)
 	faninRefused int // fan-in groups whose events the database refused to apply by themselves (fanin.go)
+	strays       int // stages with pending rows that the configuration lacks, at the last listing (strays.go)
 }
 
 type stageSnapshot struct {
@@ -82,7 +83,8 @@ func (m *metricsServer) publish(s *metricsSnapshot) { m.snap.Store(s) }
 func (c *coordinator) snapshot() *metricsSnapshot {
 	s := &metricsSnapshot{at: time.Now(), started: c.started, epoch: c.inst.epoch,
 		global: c.stats.Global, fanin: c.stats.Fanin, workers: len(c.workers), inflight: c.inflightAll,
-		claimMax: c.claimMax, faninHeld: c.fanin.heldGroups, faninRefused: len(c.fanin.refused)}
+		claimMax: c.claimMax, faninHeld: c.fanin.heldGroups, faninRefused: len(c.fanin.refused),
+		strays: len(c.strays.logged)}
 	// A held write the database refused by itself (noteRefused) waits with those another
 	// transaction holds, but what to do about it is not the same: counted apart.
 	for _, f := range c.heldFailures {
@@ -245,6 +247,7 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 		p.sample("pepsi_refused_writes", "gauge", "Failure and reset writes the database refused by themselves (an application's rule on the row), tried again every second.", "", s.refused)
 		p.sample("pepsi_fanin_held_groups", "gauge", "Fan-in groups the last flush passed over: another transaction holds a row they write.", "", s.faninHeld)
 		p.sample("pepsi_fanin_refused_groups", "gauge", "Fan-in groups whose completions the database refused to apply by themselves (an application's rule on a waiting parent).", "", s.faninRefused)
+		p.sample("pepsi_stray_stages", "gauge", "Stages with pending rows that the configuration does not have: nothing claims them (listed once a minute).", "", s.strays)
 		for _, st := range s.stages {
 			l := stageLabel(st.name)
 			p.sample("pepsi_stage_workers", "gauge", "Live worker processes per stage.", l, st.workers)

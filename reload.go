@@ -10,6 +10,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"time"
 )
 
 // setStages installs a stage table as a new generation of pools.
@@ -74,6 +75,7 @@ func (c *coordinator) reload() {
 	c.cfg = &cfg
 	c.setStages(stages)
 	c.log.Info("stage graph reloaded; retiring workers", "stages", len(stages), "workers", len(c.workers))
+	c.timers.schedule(timerKey{kind: timerStrays}, time.Now().Add(time.Second)) // a stage removed may have left rows
 	for _, w := range c.workers {
 		c.retire(w)
 	}

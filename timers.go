@@ -32,6 +32,7 @@ const (
 	timerMetrics                     // publish a /metrics snapshot
 	timerSDWatchdog                  // tell systemd the loop is alive
 	timerRefused                     // id = pool: claim the stage whose claim was refused again
+	timerStrays                      // list the stages with pending rows (strays.go)
 )
 
 type timerKey struct {
