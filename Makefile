@@ -59,7 +59,7 @@ staticcheck:  ## staticcheck over every package of the module (staticcheck.conf)
 # FuzzPoolCounterLine with no failing input written). A count has no deadline to race. 50,000
 # inputs take 5-15 s per fuzzer on this 2-core machine; FuzzIntervalOutput, a query per input,
 # about 40 s.
-fuzz:  ## run each parser fuzzer for FUZZTIME, a duration (20s) or a count (50000x) (INI, worker replies and standard error lines, lock protocol lines, pepsi-queue's reader of the configuration and its durations against the daemon's, the console's search, pepsi-queue's command line, its reader of PostgreSQL's interval text under every IntervalStyle (against PostgreSQL) and its escapes of what a terminal acts on (and the console's, shared), the DSN check's errors (never the password), the Go and Python SDKs' readers of a stage's arguments and environment, and of its input's id lines, against each other)
+fuzz:  ## run each parser fuzzer for FUZZTIME, a duration (20s) or a count (50000x) (INI, worker replies and standard error lines, lock protocol lines, pepsi-queue's reader of the configuration and its durations against the daemon's, the console's search, the config table's check against the daemon's reading of a row (against PostgreSQL), pepsi-queue's command line, its reader of PostgreSQL's interval text under every IntervalStyle (against PostgreSQL) and its escapes of what a terminal acts on (and the console's, shared), the DSN check's errors (never the password), the Go and Python SDKs' readers of a stage's arguments and environment, and of its input's id lines, against each other)
 	$(GO) test -run '^$$' -fuzz '^FuzzINI$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzReply$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzLogLines$$' -fuzztime $(FUZZTIME) -timeout 5m .
@@ -67,6 +67,7 @@ fuzz:  ## run each parser fuzzer for FUZZTIME, a duration (20s) or a count (5000
 	$(GO) test -run '^$$' -fuzz '^FuzzConfReaders$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzDurations$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzConsoleSearch$$' -fuzztime $(FUZZTIME) -timeout 5m .
+	$(GO) test -run '^$$' -fuzz '^FuzzConfigCheck$$' -fuzztime $(FUZZTIME) -timeout 5m .
 	$(GO) test -run '^$$' -fuzz '^FuzzQueueArgs$$' -fuzztime $(FUZZTIME) -timeout 5m ./cmd/pepsi-queue
 	$(GO) test -run '^$$' -fuzz '^FuzzParseInterval$$' -fuzztime $(FUZZTIME) -timeout 5m ./cmd/pepsi-queue
 	$(GO) test -run '^$$' -fuzz '^FuzzIntervalOutput$$' -fuzztime $(FUZZTIME) -timeout 5m ./cmd/pepsi-queue

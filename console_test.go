@@ -201,7 +201,11 @@ func TestConsoleShowsControlCharacters(t *testing.T) {
 	id := h.s.count(t, `INSERT INTO workqueue (stage, status, attempts, payload, state)
 		VALUES ($1, 'failed', 1, jsonb_build_object('name', 'a' || chr(8238) || 'b'), jsonb_build_object('dispatch_error', $2::text))
 		RETURNING workqueue_id`, stage, reason)
+	// The config table's check refuses such a stage name now; a row written before it (an
+	// older schema) is still shown.
+	h.s.exec(t, `ALTER TABLE config DISABLE TRIGGER config_check`)
 	h.s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-ru' || chr(8238) || 'x', 'PROGRAM', '/bin/' || chr(8238) || 'fdp')`)
+	h.s.exec(t, `ALTER TABLE config ENABLE TRIGGER config_check`)
 	tags := regexp.MustCompile(`<[^>]*>`)
 	for _, tc := range []struct {
 		path string

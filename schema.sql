@@ -189,6 +189,98 @@ END $$;
 CREATE OR REPLACE TRIGGER config_notify AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON config
     FOR EACH STATEMENT EXECUTE FUNCTION config_notify();
 
+-- A row the dispatcher would refuse is refused here, with the words the dispatcher would log:
+-- a reload that finds one ends the dispatcher (dispatch.md: rather than route by a graph its
+-- workers no longer share), every start after it fails the same way, and a standby
+-- dispatcher that takes over reads the same table, so one misspelt key in an INSERT stopped
+-- the pipeline. The checks are the daemon's (conf.go: StageConfig.set, validKey,
+-- stageNameRe), which TestConfigCheckAgreesWithDaemon holds this function to; where exact
+-- agreement would cost a copy of a float parser (a duration in hexadecimal, an exponent past
+-- numeric's range) the row is let through, for the dispatcher to judge. What needs the file
+-- (a NEXT naming a stage defined nowhere, a stage without PROGRAM) is the dispatcher's alone.
+-- Rows of other sections are ignored by the dispatcher, and here.
+CREATE OR REPLACE FUNCTION config_check() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    name  text := substr(NEW.section, 7);
+    v     text := NEW.value;
+    -- Go's unicode.IsSpace, which strings.TrimSpace and strings.Fields use.
+    sp    constant text := '[\t\n\v\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]';
+    hi    bigint;
+    unit  numeric := 1e9;  -- nanoseconds per unit of a duration
+    suf   text;
+    why   text;
+BEGIN
+    IF NEW.section NOT LIKE 'stage-%' THEN
+        RETURN NEW;
+    END IF;
+    IF NEW.key = 'PAUSED' AND lower(v) IN ('yes', 'true', 'on', '1', 'no', 'false', 'off', '0', '') THEN
+        RETURN NEW;  -- pepsi-queue pause and resume; the dispatcher ignores one of no stage
+    END IF;
+    IF name !~ '^[a-z0-9_-]+$' THEN
+        why := 'stage names are [a-z0-9_-]+';
+    ELSIF NEW.key !~ '^[A-Z0-9_]+$' THEN
+        why := 'keys are upper-case letters, digits and ''_''';
+    ELSIF NEW.key = 'PROGRAM' THEN
+        IF v = '' THEN
+            why := 'must name a program';
+        END IF;
+    ELSIF NEW.key = 'NEXT' THEN
+        IF EXISTS (SELECT 1 FROM regexp_split_to_table(v, sp || '+') n WHERE n <> '' AND n !~ '^[a-z0-9_-]+$') THEN
+            why := format('names a stage that cannot exist (stage names are [a-z0-9_-]+), got %s', to_json(v));
+        END IF;
+    ELSIF NEW.key IN ('FUSE', 'PAUSED') THEN
+        why := format('want yes or no, got %s', to_json(v));  -- PAUSED's good values returned above
+        IF NEW.key = 'FUSE' AND lower(v) IN ('yes', 'true', 'on', '1', 'no', 'false', 'off', '0', '') THEN
+            why := NULL;
+        END IF;
+    ELSIF NEW.key = 'RETRY_DELAY' THEN
+        FOREACH suf IN ARRAY ARRAY['ms', 's', 'm', 'h', 'd'] LOOP
+            IF right(v, length(suf)) = suf THEN
+                unit := CASE suf WHEN 'ms' THEN 1e6 WHEN 's' THEN 1e9 WHEN 'm' THEN 60e9 WHEN 'h' THEN 3600e9 ELSE 86400e9 END;
+                v := regexp_replace(left(v, -length(suf)), '^' || sp || '+|' || sp || '+$', '', 'g');
+                EXIT;
+            END IF;
+        END LOOP;
+        IF v ~* '^[+-]?0x' THEN
+            NULL;  -- a hexadecimal float: the dispatcher judges it
+        ELSIF v !~ '^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$' THEN
+            why := format('want a duration such as 30, 0.5, 250ms, 5s, 2m or 1h, got %s', to_json(NEW.value));
+        ELSE
+            BEGIN
+                IF v::numeric < 0 OR v::numeric * unit > 4611686018427387904 THEN
+                    why := format('want a duration such as 30, 0.5, 250ms, 5s, 2m or 1h, got %s', to_json(NEW.value));
+                END IF;
+            EXCEPTION WHEN numeric_value_out_of_range OR program_limit_exceeded THEN
+                NULL;  -- an exponent past numeric's range: the dispatcher judges it
+            END;
+        END IF;
+    ELSE
+        hi := CASE NEW.key
+            WHEN 'PARALLELISM' THEN 10000
+            WHEN 'QUEUE_LIMIT' THEN 1000
+            WHEN 'MAX_MESSAGES' THEN 2147483647
+            WHEN 'MAX_ATTEMPTS' THEN 1000
+            WHEN 'MAX_CHILDREN' THEN 10000000
+            WHEN 'KEY_LIMIT' THEN 2147483647
+            WHEN 'MIN_SPAN' THEN 2147483647
+        END;
+        IF hi IS NULL THEN
+            why := format('unknown key in [stage-%s]', name);
+        ELSIF v !~ '^[+-]?[0-9]+$' OR v::numeric < 1 OR v::numeric > hi THEN
+            why := format('want a whole number from 1 to %s, got %s', hi, to_json(v));
+        END IF;
+    END IF;
+    IF why IS NOT NULL THEN
+        RAISE EXCEPTION 'config table (section %): %: %', to_json(NEW.section), NEW.key, why
+            USING ERRCODE = 'check_violation',
+                  HINT = 'pepsi-dispatch would refuse this row at its next reload, and stop (pepsi.conf(5))';
+    END IF;
+    RETURN NEW;
+END $$;
+
+CREATE OR REPLACE TRIGGER config_check BEFORE INSERT OR UPDATE ON config
+    FOR EACH ROW EXECUTE FUNCTION config_check();
+
 -- Statistics, written only by the dispatcher, as deltas added to these running totals.
 CREATE TABLE IF NOT EXISTS stage_stats (
     stage          text PRIMARY KEY,
