@@ -22,6 +22,8 @@ import (
 	"time"
 
 	"github.com/lib/pq"
+
+	"pepsi-dispatch/internal/schemafile"
 )
 
 // lockClass is the first half of the advisory lock key: "peps" in ASCII, so the lock is
@@ -70,7 +72,10 @@ func systemKey(ctx context.Context, q interface {
 	}
 	if len(missing) > 0 {
 		return 0, fmt.Errorf("check schema: %v not found in the search_path of this connection; "+
-			"apply the schema first: psql -v ON_ERROR_STOP=1 -f schema.sql \"$DSN\"", missing)
+			"apply the schema first: %s", missing, schemafile.Apply)
+	}
+	if err := schemafile.CheckVersion(ctx, q); err != nil {
+		return 0, err
 	}
 	// oids are unsigned 32-bit; fold them into the signed half of the two-key lock.
 	return int32(uint32(oid.Int64)), nil

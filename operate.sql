@@ -53,13 +53,6 @@ BEGIN
             CHECK (status IN ('pending', 'running', 'paused', 'waiting', 'done', 'failed',
                               'held', 'cancelled'));
     END IF;
-    -- The state-change time, for ages, --older and RETENTION. Rows older than the column keep
-    -- NULL (readers fall back to created_at): filling it in would rewrite the table.
-    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'workqueue'::regclass
-                                              AND attname = 'status_at' AND NOT attisdropped) THEN
-        ALTER TABLE workqueue ADD COLUMN status_at timestamptz;
-        ALTER TABLE workqueue ALTER COLUMN status_at SET DEFAULT now();
-    END IF;
 END $$;
 
 -- status_at is written by each writer that changes a status, in the same UPDATE: the claim,

@@ -11,7 +11,9 @@
 -- system's tables, never another system's in the same database.
 --
 -- Upgrades: re-applying this file adds what a newer version added (ADD COLUMN IF NOT EXISTS
--- below each table that grew), so an existing database keeps working.
+-- below each table that grew), so an existing database keeps working; TestSchemaUpgrade
+-- applies it over the first version's. Any change to it, fanin.sql or operate.sql raises the
+-- version its last statement records (TestSchemaVersion says so), which the programs check.
 --
 -- This file is the core: the queue, the configuration overlay, the statistics and the
 -- single-instance lock (doc/design/dispatch.md). Fan-out / fan-in lives in fanin.sql, which
@@ -73,6 +75,13 @@ ALTER TABLE workqueue
     ADD COLUMN IF NOT EXISTS concurrency_key text,
     ADD COLUMN IF NOT EXISTS unique_key      text,
     ADD COLUMN IF NOT EXISTS key_parked      boolean NOT NULL DEFAULT false;
+-- status_at, the state-change time (for ages, --older and RETENTION), came with operate.sql,
+-- which added it for databases made before it; fanin.sql, applied before operate.sql, writes
+-- it too, so it is added here (re-applying this file over one made by the first version failed
+-- at fanin.sql: TestSchemaUpgrade). Rows older than the column keep NULL, and readers fall
+-- back to created_at: filling it in would rewrite the table.
+ALTER TABLE workqueue ADD COLUMN IF NOT EXISTS status_at timestamptz;
+ALTER TABLE workqueue ALTER COLUMN status_at SET DEFAULT now();
 
 -- The claim walks this index per stage, in (priority, id) order, and stops at the stage's free
 -- capacity. concurrency_key is carried (INCLUDE) so the walk needs nothing else from the row.
@@ -424,3 +433,10 @@ BEGIN
         END;
     END LOOP;
 END $$;
+
+-- The schema's version, last, so that a file that stopped part-way (ON_ERROR_STOP) does not
+-- claim it: the daemon and pepsi-queue refuse to run on an older one (internal/schemafile:
+-- Version), which a binary upgraded without re-applying this file meets as "column … does not
+-- exist" in every claim. Raised with every change to this file, fanin.sql or operate.sql
+-- (TestSchemaVersion holds it to their text).
+CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql IMMUTABLE PARALLEL SAFE AS 'SELECT 1';

@@ -1,9 +1,15 @@
 package main
 
 import (
+	"crypto/sha256"
 	"errors"
+	"fmt"
+	"os"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/lib/pq"
 
@@ -119,5 +125,113 @@ func TestTimesAreFinite(t *testing.T) {
 			t.Errorf("pass %d: the times' rule is not in force", pass)
 		}
 		s.exec(t, `INSERT INTO workqueue (stage, status) VALUES ('a', 'held'), ('a', 'cancelled')`)
+	}
+}
+
+// TestSchemaUpgrade: schema.sql applied over the schema of the first version
+// (testdata/schema-round1.sql: schema.sql of 8a8e2b0, the first round's last commit), with
+// rows in it, as an operator upgrading re-applies the file. It failed at fanin.sql, whose
+// functions write status_at, a column operate.sql added to older tables after it. Now the
+// file applies (twice: it is idempotent), says its version, keeps every row, and the
+// dispatcher runs the old backlog.
+func TestSchemaUpgrade(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, `DROP SCHEMA `+s.Name+` CASCADE`)
+	s.exec(t, `CREATE SCHEMA `+s.Name)
+	old, err := schemafile.Read("testdata/schema-round1.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.exec(t, old)
+	s.exec(t, runsDDL)
+	s.exec(t, `INSERT INTO workqueue (stage, payload) SELECT 'a', '{}' FROM generate_series(1, 20)`)
+	s.exec(t, `INSERT INTO workqueue (stage, payload, status, attempts, retry_at) VALUES ('a', '{}', 'paused', 1, now() - interval '1 minute')`)
+	s.exec(t, `INSERT INTO workqueue (stage, payload, status, attempts, state)
+	           VALUES ('a', '{}', 'failed', 5, '{"dispatch_error": "stage a: gone"}'), ('a', '{}', 'done', 1, '{}')`)
+
+	ddl, err := schemafile.Read("schema.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for pass := 1; pass <= 2; pass++ {
+		if _, err := s.DB.Exec(ddl); err != nil {
+			t.Fatalf("apply schema.sql over the first version's (pass %d): %v", pass, err)
+		}
+	}
+	if v := s.count(t, `SELECT pepsi_schema_version()`); v != schemafile.Version {
+		t.Fatalf("schema version %d after the upgrade, want %d", v, schemafile.Version)
+	}
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status_at IS NULL`); n != 23 {
+		t.Errorf("%d rows without a status_at, want the 23 older than the column", n)
+	}
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 2"), "pipeline")
+	waitFor(t, 30*time.Second, "the old backlog done", func() bool { return countStatus(t, s, "done") == 22 })
+	d.stop()
+	if n := countStatus(t, s, "failed"); n != 1 {
+		t.Errorf("%d failed rows, want the one failed before the upgrade", n)
+	}
+	if n := s.count(t, `SELECT count(*) FROM queue_errors()`); n != 1 {
+		t.Errorf("queue_errors over the upgraded table: %d groups, want 1", n)
+	}
+}
+
+// versionLine is schema.sql's statement that says its version.
+var versionLine = regexp.MustCompile(`(?m)^CREATE OR REPLACE FUNCTION pepsi_schema_version\(\) .* AS 'SELECT ([0-9]+)';\n`)
+
+// TestSchemaVersion: the schema files' text (their version line aside) is the one recorded
+// for schemafile.Version in testdata/schema-version; a change to any of them without a new
+// version fails here, so that a dispatcher or pepsi-queue of the new version refuses a
+// database that was not given the new schema (schemafile.CheckVersion).
+func TestSchemaVersion(t *testing.T) {
+	h := sha256.New()
+	var version string
+	for _, f := range []string{"schema.sql", "fanin.sql", "operate.sql"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m := versionLine.FindSubmatch(b); m != nil {
+			version = string(m[1])
+			b = versionLine.ReplaceAll(b, nil)
+		}
+		h.Write(b)
+	}
+	if version != strconv.Itoa(schemafile.Version) {
+		t.Fatalf("schema.sql says version %q, schemafile.Version is %d: raise both together", version, schemafile.Version)
+	}
+	got := fmt.Sprintf("%d %x", schemafile.Version, h.Sum(nil))
+	want, err := os.ReadFile("testdata/schema-version")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := strings.TrimSpace(string(want)); w != got {
+		t.Fatalf("the schema files changed since version %s (testdata/schema-version has %q, they are %q now): "+
+			"raise the version in schema.sql's pepsi_schema_version() and in schemafile.Version, "+
+			"and write the new line into testdata/schema-version", strings.Fields(w)[0], w, got)
+	}
+}
+
+// TestOlderSchemaRefused: a dispatcher started on a schema older than it (the binary upgraded,
+// schema.sql not applied again) ran and failed every claim, every second, on a column it did
+// not find ("the database refused this stage's claim alone"). It now refuses to start, saying
+// which version it found and needs and how to apply it.
+func TestOlderSchemaRefused(t *testing.T) {
+	for _, c := range []struct{ name, ddl, want string }{
+		{"version 0", `CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql AS 'SELECT 0'`, "is version 0, older"},
+		{"no version", `DROP FUNCTION pepsi_schema_version()`, "is from before versions, older"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := newTestSchema(t)
+			s.exec(t, c.ddl)
+			d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", ""), "pipeline")
+			if st := d.wait(30 * time.Second); st != 1 {
+				t.Fatalf("exit %d, want 1", st)
+			}
+			for _, w := range []string{c.want, fmt.Sprintf("which needs version %d", schemafile.Version), "psql -v ON_ERROR_STOP=1 -f schema.sql"} {
+				if !strings.Contains(d.log.String(), w) {
+					t.Errorf("the log lacks %q:\n%s", w, d.log.String())
+				}
+			}
+		})
 	}
 }

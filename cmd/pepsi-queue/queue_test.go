@@ -579,3 +579,20 @@ func TestCancelledChildCountsAsFailed(t *testing.T) {
 		t.Errorf("cancelled parent after its group fired: %q, want cancelled, not woken", got)
 	}
 }
+
+// TestOlderSchemaRefused: on a schema older than this pepsi-queue (a binary upgraded without
+// re-applying schema.sql) every command failed on its own missing function or column; now
+// the first thing said is that the schema is older, and how to apply it (exit 1).
+func TestOlderSchemaRefused(t *testing.T) {
+	s := newQSchema(t)
+	s.exec(t, `CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql AS 'SELECT 0'`)
+	r := s.pq(t, "", "status")
+	if r.code != exitRefused || !strings.Contains(r.stderr, "the schema in the database is version 0, older than this program") ||
+		!strings.Contains(r.stderr, "psql -v ON_ERROR_STOP=1 -f schema.sql") {
+		t.Errorf("version 0: exit %d, stderr %q", r.code, r.stderr)
+	}
+	s.exec(t, `DROP FUNCTION pepsi_schema_version()`)
+	if r := s.pq(t, "", "status"); r.code != exitRefused || !strings.Contains(r.stderr, "from before versions") {
+		t.Errorf("no version: exit %d, stderr %q", r.code, r.stderr)
+	}
+}

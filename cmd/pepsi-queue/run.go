@@ -22,6 +22,7 @@ import (
 
 	"pepsi-dispatch/internal/dsnsecret"
 	"pepsi-dispatch/internal/pgsession"
+	"pepsi-dispatch/internal/schemafile"
 )
 
 // batchSize is how many ids one action call takes: one transaction, one operator_log row.
@@ -108,6 +109,17 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	cancel()
 	if err != nil {
 		return fail(exitNoDB, &unreachable{err})
+	}
+	// An older schema fails its statements one by one ("function queue_select(…) does not
+	// exist"): said once, before any.
+	vctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	err = schemafile.CheckVersion(vctx, db)
+	cancel()
+	if err != nil {
+		if isConnErr(err) {
+			return fail(exitNoDB, &unreachable{err})
+		}
+		return fail(exitRefused, err)
 	}
 	e := &env{inv: inv, db: db, stdin: stdin, out: stdout, errOut: stderr, actor: osUser(), conf: conf}
 	if f, ok := stdin.(*os.File); ok && !inv.stdin {

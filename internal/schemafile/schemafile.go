@@ -1,9 +1,10 @@
-// Package schemafile reads schema.sql the way psql applies it, as one text that database/sql
-// can Exec: every `\ir FILE` line (psql's \include_relative) is replaced by FILE's text, FILE
-// taken beside the file that names it. The contract applies the schema with
-// `psql -v ON_ERROR_STOP=1 -f schema.sql`; the tests, tools/faninbench and bench/pipeline
-// apply it through a database connection instead, and use this package so that both ways run
-// the same statements.
+// Package schemafile knows the schema files: the version of them the programs need, checked
+// against the database at their start (version.go), and how to read schema.sql the way psql
+// applies it, as one text that database/sql can Exec: every `\ir FILE` line (psql's
+// \include_relative) is replaced by FILE's text, FILE taken beside the file that names it.
+// The contract applies the schema with `psql -v ON_ERROR_STOP=1 -f schema.sql`; the tests,
+// tools/faninbench and bench/pipeline apply it through a database connection instead, and use
+// this package so that both ways run the same statements.
 //
 // Only \ir and \include_relative are understood. Any other line that starts with a backslash
 // is an error, not passed on: the server would reject it with a syntax error far from its

@@ -1,0 +1,44 @@
+package schemafile
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+)
+
+// Version is the schema version this module's programs need: what schema.sql's last
+// statement, pepsi_schema_version(), returns once the file is applied. It is raised with every
+// change to schema.sql, fanin.sql or operate.sql, which TestSchemaVersion holds to their text,
+// so that a program upgraded without its schema says so at its start, instead of failing
+// statement by statement ("column w.key_parked does not exist" at every claim).
+const Version = 1
+
+// Apply is what to do about a schema that is missing or older.
+const Apply = `psql -v ON_ERROR_STOP=1 -f schema.sql "$DSN"`
+
+// CheckVersion reads the version of the schema in the connection's search_path and refuses
+// one older than Version, or one from before versions. A newer one is taken: a schema only
+// adds what a newer version needs.
+func CheckVersion(ctx context.Context, q interface {
+	QueryRowContext(context.Context, string, ...any) *sql.Row
+}) error {
+	var found bool
+	if err := q.QueryRowContext(ctx, `SELECT to_regprocedure('pepsi_schema_version()') IS NOT NULL`).Scan(&found); err != nil {
+		return fmt.Errorf("check schema version: %w", err)
+	}
+	have := 0 // from before versions
+	if found {
+		if err := q.QueryRowContext(ctx, `SELECT pepsi_schema_version()`).Scan(&have); err != nil {
+			return fmt.Errorf("check schema version: %w", err)
+		}
+	}
+	if have < Version {
+		what := fmt.Sprintf("version %d", have)
+		if !found {
+			what = "from before versions"
+		}
+		return fmt.Errorf("check schema version: the schema in the database is %s, older than this program, which needs version %d; "+
+			"apply this version's schema.sql (it keeps every row): %s", what, Version, Apply)
+	}
+	return nil
+}
