@@ -251,6 +251,7 @@ LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
 $$;
 
 DROP FUNCTION IF EXISTS queue_log(text, text, text, bigint[], bigint[], text); -- a draft's form
+DROP FUNCTION IF EXISTS queue_errors_statuses(jsonb); -- an earlier version's helper of queue_errors
 
 -- queue_log writes the action's operator_log row. Pause and resume pass their stage and
 -- whether the stage's PAUSED value changed (p_n) instead of ids.

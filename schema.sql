@@ -149,6 +149,15 @@ CREATE INDEX IF NOT EXISTS workqueue_paused ON workqueue (retry_at)
 -- with a few tens of millions; console_counts.go). queue_errors and queue_select (operate.sql)
 -- read these statuses here, a page of queue_select in id order. Only a failure (a retry's
 -- pause too), a hold or a cancel writes an entry, never the claim, an advance or a done.
+-- An earlier version indexed (stage, status) without paused rows: replaced, or IF NOT EXISTS
+-- kept it and the pages by id walked the table (TestSchemaUpgrade).
+DO $$
+BEGIN
+    IF to_regclass('workqueue_stopped') IS NOT NULL
+       AND pg_get_indexdef(to_regclass('workqueue_stopped')) NOT LIKE '%(status, workqueue_id) INCLUDE (stage)%paused%' THEN
+        DROP INDEX workqueue_stopped;
+    END IF;
+END $$;
 CREATE INDEX IF NOT EXISTS workqueue_stopped ON workqueue (status, workqueue_id) INCLUDE (stage)
     WHERE status IN ('failed', 'paused', 'held', 'cancelled');
 -- No index on running rows, on purpose: it cost every claim an index insert, and the
@@ -352,6 +361,9 @@ INSERT INTO dispatch_instance (id) VALUES (1) ON CONFLICT (id) DO NOTHING;
 -- been claimed again under new claim tokens, and their transaction (a stage's outcome, a
 -- fan-in flush, a statistics flush) commits nothing (SQLSTATE PD001). Cost: one primary-key
 -- read per statement of such a session; every other session is skipped by the WHEN clause.
+-- A draft of it was a trigger of workqueue's alone, workqueue_fence: dropped.
+DROP TRIGGER IF EXISTS workqueue_fence ON workqueue;
+DROP FUNCTION IF EXISTS workqueue_fence();
 CREATE OR REPLACE FUNCTION pepsi_fence() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     mine bigint := split_part(current_setting('application_name'), ' ', 3)::bigint;

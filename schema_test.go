@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -161,6 +162,9 @@ func TestSchemaUpgrade(t *testing.T) {
 	if v := s.count(t, `SELECT pepsi_schema_version()`); v != schemafile.Version {
 		t.Fatalf("schema version %d after the upgrade, want %d", v, schemafile.Version)
 	}
+	fresh := newTestSchema(t)
+	fresh.exec(t, runsDDL)
+	sameShape(t, schemaShape(t, s), schemaShape(t, fresh))
 	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE status_at IS NULL`); n != 23 {
 		t.Errorf("%d rows without a status_at, want the 23 older than the column", n)
 	}
@@ -173,6 +177,32 @@ func TestSchemaUpgrade(t *testing.T) {
 	if n := s.count(t, `SELECT count(*) FROM queue_errors()`); n != 1 {
 		t.Errorf("queue_errors over the upgraded table: %d groups, want 1", n)
 	}
+}
+
+// TestSchemaUpgradeReplacesOld: what earlier versions made under a name the schema still uses,
+// or left behind, is replaced or dropped when schema.sql is applied again: IF NOT EXISTS kept
+// an earlier workqueue_stopped index (stage, status, no paused rows), so that on a database
+// made then the pages of failed rows by id walked the table; a draft's workqueue_fence trigger
+// and an earlier queue_errors_statuses stayed too. Applying the schema over every one of the
+// 57 schema states in the history showed them (each then equal to a fresh schema); these are
+// those states, made by hand on a fresh schema.
+func TestSchemaUpgradeReplacesOld(t *testing.T) {
+	s := newTestSchema(t)
+	fresh := schemaShape(t, s)
+	s.exec(t, `DROP INDEX workqueue_stopped`)
+	s.exec(t, `CREATE INDEX workqueue_stopped ON workqueue (stage, status) WHERE status IN ('failed', 'held', 'cancelled')`)
+	s.exec(t, `CREATE FUNCTION workqueue_fence() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$`)
+	s.exec(t, `CREATE TRIGGER workqueue_fence BEFORE INSERT OR UPDATE OR DELETE ON workqueue
+	           FOR EACH STATEMENT EXECUTE FUNCTION workqueue_fence()`)
+	s.exec(t, `CREATE FUNCTION queue_errors_statuses(p_filter jsonb) RETURNS text[] LANGUAGE sql IMMUTABLE AS $$ SELECT '{}'::text[] $$`)
+	ddl, err := schemafile.Read("schema.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.DB.Exec(ddl); err != nil {
+		t.Fatalf("apply schema.sql again: %v", err)
+	}
+	sameShape(t, schemaShape(t, s), fresh)
 }
 
 // versionLine is schema.sql's statement that says its version.
@@ -233,5 +263,70 @@ func TestOlderSchemaRefused(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// schemaShape lists what s's schema holds, one line per column, index, constraint, trigger,
+// function and relation, with the schema's name written S: two schemas with the same lines
+// are the same to every program (a column's place in its table aside, which an upgrade that
+// adds it cannot choose).
+func schemaShape(t *testing.T, s *testSchema) []string {
+	t.Helper()
+	rows, err := s.DB.Query(`
+		WITH ns AS (SELECT oid FROM pg_namespace WHERE nspname = $1)
+		SELECT replace(line, $1, 'S') FROM (
+		    SELECT format('relation %s %s', c.relkind, c.relname) AS line
+		      FROM pg_class c WHERE c.relnamespace = (SELECT oid FROM ns)
+		    UNION ALL
+		    SELECT format('column %s.%s %s not null %s default %s', c.relname, a.attname,
+		                  format_type(a.atttypid, a.atttypmod), a.attnotnull, pg_get_expr(d.adbin, d.adrelid))
+		      FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+		      LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+		     WHERE c.relnamespace = (SELECT oid FROM ns) AND c.relkind IN ('r', 'p') AND a.attnum > 0 AND NOT a.attisdropped
+		    UNION ALL
+		    SELECT 'index ' || pg_get_indexdef(i.indexrelid)
+		      FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relnamespace = (SELECT oid FROM ns)
+		    UNION ALL
+		    SELECT format('constraint %s %s %s', conrelid::regclass, conname, pg_get_constraintdef(oid))
+		      FROM pg_constraint WHERE connamespace = (SELECT oid FROM ns)
+		    UNION ALL
+		    SELECT 'trigger ' || pg_get_triggerdef(t.oid)
+		      FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+		     WHERE c.relnamespace = (SELECT oid FROM ns) AND NOT t.tgisinternal
+		    UNION ALL
+		    SELECT 'function ' || pg_get_functiondef(p.oid)
+		      FROM pg_proc p WHERE p.pronamespace = (SELECT oid FROM ns) AND p.prokind IN ('f', 'p')
+		) x ORDER BY 1`, s.Name)
+	if err != nil {
+		t.Fatalf("read the schema's shape: %v", err)
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var l string
+		if err := rows.Scan(&l); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, l)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// sameShape fails t with the lines that differ between got's schema and a fresh one.
+func sameShape(t *testing.T, got []string, fresh []string) {
+	t.Helper()
+	in := func(l string, set []string) bool { return slices.Contains(set, l) }
+	for _, l := range got {
+		if !in(l, fresh) {
+			t.Errorf("the upgraded schema has, and a fresh one has not:\n%s", l)
+		}
+	}
+	for _, l := range fresh {
+		if !in(l, got) {
+			t.Errorf("a fresh schema has, and the upgraded one has not:\n%s", l)
+		}
 	}
 }
