@@ -15,7 +15,7 @@ BINDIR   = $(DESTDIR)$(PREFIX)/bin
 MANDIR   = $(DESTDIR)$(PREFIX)/share/man
 SHAREDIR = $(DESTDIR)$(PREFIX)/share/pepsi
 
-.PHONY: help build test test-python test-server-settings race vet staticcheck fuzz soak-locks demo bench clean
+.PHONY: help build test test-python test-server-settings test-schema-upgrades race vet staticcheck fuzz soak-locks demo bench clean
 
 include dist/install.mk
 
@@ -26,12 +26,13 @@ build:  ## the static daemon binary ./pepsi-dispatch and the operator's command 
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o pepsi-dispatch .
 	CGO_ENABLED=0 $(GO) build -trimpath -o pepsi-queue ./cmd/pepsi-queue
 
-test:  ## the whole suite: vet, race detector, short fuzzing of every parser, the Python SDK, a server set up otherwise (German messages, other formats)
+test:  ## the whole suite: vet, race detector, short fuzzing of every parser, the Python SDK, a server set up otherwise (German messages, other formats), schema upgrades from every earlier version
 	$(GO) vet ./...
 	PYTHON=$(PYTHON) $(GO) test -race -timeout 40m -count=1 ./...
 	$(MAKE) fuzz FUZZTIME=50000x
 	$(MAKE) test-python
 	$(MAKE) test-server-settings
+	$(MAKE) test-schema-upgrades
 
 # Debian's interpreter: python3-psycopg and python3-pytest install for it. pytest's exit
 # status 5 (no tests collected) fails the target like any other non-zero status.
@@ -42,6 +43,9 @@ test-python:  ## the Python SDK's tests (python/tests, pytest; a private Postgre
 
 test-server-settings:  ## the Go suite (-short) and the Python SDK's tests again, against a private server set up otherwise: German messages (lc_messages de_DE.UTF-8; skipped, saying so, without that locale), DateStyle SQL, DMY, a far time zone, IntervalStyle sql_standard, extra_float_digits 0
 	GO=$(GO) PYTHON=$(PYTHON) scripts/test-server-settings de_DE.UTF-8
+
+test-schema-upgrades:  ## this schema.sql applied over every schema state in the git history, each then compared with a fresh schema (a private PostgreSQL; skipped, saying so, in a shallow clone)
+	scripts/check-schema-upgrades --private
 
 race: test  ## alias of test: the suite always runs under the race detector
 
