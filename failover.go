@@ -43,14 +43,18 @@ var errReadOnly = errors.New("server is read-only (in recovery or transaction_re
 // lockSQL takes the single-instance lock only on a session that can write: the test and the
 // lock are one statement, so there is no window between them (a primary does not become a
 // standby under a live session: that takes a restart, which ends the session and the lock).
-// It also names the server, for the log and /metrics. $1, $2 = the lock key; $3: wait for
-// the lock (a standby dispatcher) instead of trying once.
+// It also names the server, for the log and /metrics: its address, or on a Unix socket the
+// socket's directory, which pg_settings shows to a superuser or a member of
+// pg_read_all_settings alone (current_setting() refused every other role, so that the
+// dispatcher of an ordinary role on a local socket could not start: TestOrdinaryRole).
+// $1, $2 = the lock key; $3: wait for the lock (a standby dispatcher) instead of trying once.
 const lockSQL = `
 SELECT ro, CASE WHEN ro THEN NULL WHEN $3 THEN pg_advisory_lock($1, $2) IS NOT NULL
                 ELSE pg_try_advisory_lock($1, $2) END, server
   FROM (SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool AS ro,
-               coalesce(host(inet_server_addr()), current_setting('unix_socket_directories')) || ':' ||
-               current_setting('port') AS server) s`
+               coalesce(host(inet_server_addr()),
+                        (SELECT setting FROM pg_settings WHERE name = 'unix_socket_directories'),
+                        'local socket') || ':' || current_setting('port') AS server) s`
 
 // takeLock takes the lock on conn, or reports errReadOnly; wait blocks until the holder's
 // session ends (a standby). server names the server the session is on.

@@ -641,3 +641,52 @@ func TestOutageWordsWithoutOutage(t *testing.T) {
 	}
 	d.stop()
 }
+
+// TestOrdinaryRole: the dispatcher, its workers and /metrics as an ordinary role (no superuser,
+// no pg_read_all_settings) that owns its schema, on the Unix socket: the usual local setup
+// (host=/run/postgresql, a role of the system's own). The tests' roles were superusers, and
+// hid that such a dispatcher could not start: naming its server read unix_socket_directories,
+// which PostgreSQL shows to superusers and members of pg_read_all_settings alone ("take
+// single-instance lock: pq: must be superuser or have privileges of pg_read_all_settings to
+// examine "unix_socket_directories"", exit 1).
+func TestOrdinaryRole(t *testing.T) {
+	s := newTestSchema(t)
+	role := "ordinary_" + s.Name
+	s.exec(t, `CREATE ROLE `+role+` LOGIN NOSUPERUSER`)
+	t.Cleanup(func() {
+		s.DB.Exec(`DROP OWNED BY ` + role)
+		s.DB.Exec(`DROP ROLE IF EXISTS ` + role)
+	})
+	// The schema's objects made again by the role, as an operator applies schema.sql as the
+	// system's role.
+	s.exec(t, `DROP SCHEMA `+s.Name+` CASCADE`)
+	s.exec(t, `CREATE SCHEMA `+s.Name)
+	s.exec(t, `GRANT ALL ON SCHEMA `+s.Name+` TO `+role)
+	own, err := sql.Open("postgres", s.DSN+" user="+role)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer own.Close()
+	ddl, err := schemafile.Read("schema.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{ddl, runsDDL} {
+		if _, err := own.Exec(q); err != nil {
+			t.Fatalf("apply the schema as %s: %v", role, err)
+		}
+	}
+	if super := s.count(t, `SELECT count(*) FROM pg_roles WHERE rolname = $1 AND (rolsuper OR pg_has_role(oid, 'pg_read_all_settings', 'MEMBER'))`, role); super != 0 {
+		t.Fatalf("%s may read every setting: not an ordinary role", role)
+	}
+	addr := freePort(t)
+	conf := confAs(strings.Replace(threeStages(t, s), "[pepsi-dispatch]\n", "[pepsi-dispatch]\nMETRICS_LISTEN = "+addr+"\n", 1), s, role)
+	d := startDaemon(t, conf, "pipeline")
+	enqueue(t, s, "a", 100, `{}`)
+	waitFor(t, 30*time.Second, "100 messages through three stages", func() bool { return countStatus(t, s, "done") == 100 })
+	if v, ok := metric(t, addr, "pepsi_stray_stages"); !ok || v != 0 {
+		t.Errorf("/metrics as %s: pepsi_stray_stages %v (%v)", role, v, ok)
+	}
+	d.stop()
+	checkExactlyOnce(t, s, 100)
+}
