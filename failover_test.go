@@ -651,34 +651,7 @@ func TestOutageWordsWithoutOutage(t *testing.T) {
 // examine "unix_socket_directories"", exit 1).
 func TestOrdinaryRole(t *testing.T) {
 	s := newTestSchema(t)
-	role := "ordinary_" + s.Name
-	s.exec(t, `CREATE ROLE `+role+` LOGIN NOSUPERUSER`)
-	t.Cleanup(func() {
-		s.DB.Exec(`DROP OWNED BY ` + role)
-		s.DB.Exec(`DROP ROLE IF EXISTS ` + role)
-	})
-	// The schema's objects made again by the role, as an operator applies schema.sql as the
-	// system's role.
-	s.exec(t, `DROP SCHEMA `+s.Name+` CASCADE`)
-	s.exec(t, `CREATE SCHEMA `+s.Name)
-	s.exec(t, `GRANT ALL ON SCHEMA `+s.Name+` TO `+role)
-	own, err := sql.Open("postgres", s.DSN+" user="+role)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer own.Close()
-	ddl, err := schemafile.Read("schema.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, q := range []string{ddl, runsDDL} {
-		if _, err := own.Exec(q); err != nil {
-			t.Fatalf("apply the schema as %s: %v", role, err)
-		}
-	}
-	if super := s.count(t, `SELECT count(*) FROM pg_roles WHERE rolname = $1 AND (rolsuper OR pg_has_role(oid, 'pg_read_all_settings', 'MEMBER'))`, role); super != 0 {
-		t.Fatalf("%s may read every setting: not an ordinary role", role)
-	}
+	role := ordinaryOwner(t, s, runsDDL)
 	addr := freePort(t)
 	conf := confAs(strings.Replace(threeStages(t, s), "[pepsi-dispatch]\n", "[pepsi-dispatch]\nMETRICS_LISTEN = "+addr+"\n", 1), s, role)
 	d := startDaemon(t, conf, "pipeline")
@@ -689,4 +662,54 @@ func TestOrdinaryRole(t *testing.T) {
 	}
 	d.stop()
 	checkExactlyOnce(t, s, 100)
+}
+
+// TestOrdinaryRoleFanin: fan-out and fan-in as an ordinary role that owns its schema: the
+// split, the children's evidence (the statement trigger, ENABLE ALWAYS), the flush and the
+// wake.
+func TestOrdinaryRoleFanin(t *testing.T) {
+	s := newTestSchema(t)
+	role := ordinaryOwner(t, s, faninDaemonDDL)
+	d := faninStart(t, confAs(faninConf(t, s, "", ""), s, role), "fanin")
+	ids := faninParents(t, s, `{"n": 3}`, `{"n": 200}`, `{"range": [1, 3000], "max_children": 3, "min_span": 1}`)
+	faninWaitJoined(t, s, ids, 60*time.Second)
+	for i, n := range []int{3, 200, 3} {
+		faninExpectJoin(t, s, ids[i], n, 0)
+	}
+	faninCheckQuiescent(t, s)
+	d.stop()
+}
+
+// ordinaryOwner makes s's schema again as a new role's, a role with no privilege of its own (no
+// superuser, no pg_read_all_settings), as an operator applies schema.sql as the system's role,
+// with the tests' own tables (ddl); the role is dropped with what it owns when t ends.
+func ordinaryOwner(t *testing.T, s *testSchema, ddl string) string {
+	t.Helper()
+	role := "ordinary_" + s.Name
+	s.exec(t, `CREATE ROLE `+role+` LOGIN NOSUPERUSER`)
+	t.Cleanup(func() {
+		s.DB.Exec(`DROP OWNED BY ` + role)
+		s.DB.Exec(`DROP ROLE IF EXISTS ` + role)
+	})
+	s.exec(t, `DROP SCHEMA `+s.Name+` CASCADE`)
+	s.exec(t, `CREATE SCHEMA `+s.Name)
+	s.exec(t, `GRANT ALL ON SCHEMA `+s.Name+` TO `+role)
+	own, err := sql.Open("postgres", s.DSN+" user="+role)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer own.Close()
+	schema, err := schemafile.Read("schema.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{schema, ddl} {
+		if _, err := own.Exec(q); err != nil {
+			t.Fatalf("apply the schema as %s: %v", role, err)
+		}
+	}
+	if n := s.count(t, `SELECT count(*) FROM pg_roles WHERE rolname = $1 AND (rolsuper OR pg_has_role(oid, 'pg_read_all_settings', 'MEMBER'))`, role); n != 0 {
+		t.Fatalf("%s may read every setting: not an ordinary role", role)
+	}
+	return role
 }
