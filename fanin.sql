@@ -47,13 +47,7 @@
 -- (workqueue_children); that entry cost about 3 % of a child's throughput (faninbench).
 -- A cancelled child (operate.sql) counts as failed for its group, here and in the triggers,
 -- the recount and fanin_failed_children below; an index made before that is made again.
-DO $$
-BEGIN
-    IF to_regclass('workqueue_failed_children') IS NOT NULL
-       AND pg_get_indexdef(to_regclass('workqueue_failed_children')) NOT LIKE '%cancelled%' THEN
-        DROP INDEX workqueue_failed_children;
-    END IF;
-END $$;
+CALL pepsi_drop_index_unlike('workqueue_failed_children', '%cancelled%');
 CREATE INDEX IF NOT EXISTS workqueue_failed_children ON workqueue (fanout_id, fanout_seq)
     WHERE fanout_id IS NOT NULL AND status IN ('failed', 'cancelled');
 DROP INDEX IF EXISTS workqueue_children;

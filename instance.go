@@ -51,7 +51,8 @@ type instance struct {
 }
 
 // systemKey returns the lock key of the workqueue table in the connection's search_path.
-// It also checks that the schema is there, and says how to apply it if not.
+// It also checks that the schema is there and not older than this program
+// (schemafile.CheckVersion), and says how to apply it if not.
 func systemKey(ctx context.Context, q interface {
 	QueryRowContext(context.Context, string, ...any) *sql.Row
 }) (int32, error) {

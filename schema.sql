@@ -83,17 +83,22 @@ ALTER TABLE workqueue
 ALTER TABLE workqueue ADD COLUMN IF NOT EXISTS status_at timestamptz;
 ALTER TABLE workqueue ALTER COLUMN status_at SET DEFAULT now();
 
+-- An index an earlier version made under a name this file still uses, with another definition,
+-- is dropped before this file makes it again: CREATE INDEX IF NOT EXISTS would keep it. It goes
+-- when its definition (pg_get_indexdef) is not LIKE the pattern this version's has.
+CREATE OR REPLACE PROCEDURE pepsi_drop_index_unlike(p_index text, p_like text)
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+BEGIN
+    IF to_regclass(p_index) IS NOT NULL AND pg_get_indexdef(to_regclass(p_index)) NOT LIKE p_like THEN
+        EXECUTE format('DROP INDEX %I', p_index);
+    END IF;
+END $$;
+
 -- The claim walks this index per stage, in (priority, id) order, and stops at the stage's free
 -- capacity. concurrency_key is carried (INCLUDE) so the walk needs nothing else from the row.
 -- Rows parked behind a key at its KEY_LIMIT are left out, so a saturated key's backlog is
 -- never walked again. An older version indexed (stage, workqueue_id) only: replaced.
-DO $$
-BEGIN
-    IF to_regclass('workqueue_pending') IS NOT NULL
-       AND pg_get_indexdef(to_regclass('workqueue_pending')) NOT LIKE '%priority%' THEN
-        DROP INDEX workqueue_pending;
-    END IF;
-END $$;
+CALL pepsi_drop_index_unlike('workqueue_pending', '%priority%');
 CREATE INDEX IF NOT EXISTS workqueue_pending ON workqueue (stage, priority, workqueue_id)
     INCLUDE (concurrency_key) WHERE status = 'pending' AND NOT key_parked;
 -- The unparked rows of one key in one stage, in claim order: the claim takes a key's next rows
@@ -150,14 +155,8 @@ CREATE INDEX IF NOT EXISTS workqueue_paused ON workqueue (retry_at)
 -- read these statuses here, a page of queue_select in id order. Only a failure (a retry's
 -- pause too), a hold or a cancel writes an entry, never the claim, an advance or a done.
 -- An earlier version indexed (stage, status) without paused rows: replaced, or IF NOT EXISTS
--- kept it and the pages by id walked the table (TestSchemaUpgrade).
-DO $$
-BEGIN
-    IF to_regclass('workqueue_stopped') IS NOT NULL
-       AND pg_get_indexdef(to_regclass('workqueue_stopped')) NOT LIKE '%(status, workqueue_id) INCLUDE (stage)%paused%' THEN
-        DROP INDEX workqueue_stopped;
-    END IF;
-END $$;
+-- kept it and the pages by id walked the table (TestSchemaUpgradeReplacesOld).
+CALL pepsi_drop_index_unlike('workqueue_stopped', '%(status, workqueue_id) INCLUDE (stage)%paused%');
 CREATE INDEX IF NOT EXISTS workqueue_stopped ON workqueue (status, workqueue_id) INCLUDE (stage)
     WHERE status IN ('failed', 'paused', 'held', 'cancelled');
 -- No index on running rows, on purpose: it cost every claim an index insert, and the
