@@ -101,7 +101,10 @@ CREATE INDEX IF NOT EXISTS operator_log_at ON operator_log (at);
 -- The prefix the dispatcher writes, "stage NAME: status N: ", is kept as it is: the status
 -- number is the stage's own classification of the failure. A text longer than 2,000
 -- characters is cut before normalising. IMMUTABLE: the same text always gives the same
--- pattern, across sessions and versions of this file that keep these rules.
+-- pattern, across sessions and versions of this file that keep these rules. A pattern with a
+-- backslash is an E'' string, the backslash doubled: in a plain '' string it is an escape
+-- under standard_conforming_strings = off, which a server kept for older applications sets,
+-- and the patterns then matched nothing (TestSchemaStandardStrings).
 CREATE OR REPLACE FUNCTION error_pattern(p_text text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 DECLARE
@@ -113,16 +116,16 @@ BEGIN
     END IF;
     t := regexp_replace(t, $re$'[^']*'|"[^"]*"|`[^`]*`$re$, '''?''', 'g');
     t := regexp_replace(t, '[a-zA-Z][a-zA-Z0-9+.-]*://[^[:space:]]+', '<url>', 'g');
-    t := regexp_replace(t, '[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}', '<email>', 'g');
+    t := regexp_replace(t, E'[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\\.[A-Za-z]{2,}', '<email>', 'g');
     t := regexp_replace(t, '[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}', '<uuid>', 'g');
     t := regexp_replace(t, '[0-9]{4}-[0-9]{2}-[0-9]{2}([T ][0-9]{2}:[0-9]{2}(:[0-9]{2}([.,][0-9]+)?)?)?(Z|[+-][0-9]{2}(:?[0-9]{2})?)?', '<time>', 'g');
-    t := regexp_replace(t, '\m[0-9]{1,2}:[0-9]{2}:[0-9]{2}([.,][0-9]+)?', '<time>', 'g');
-    t := regexp_replace(t, '\m[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}(:[0-9]+)?', '<ip>', 'g');
-    t := regexp_replace(t, '\[[0-9a-fA-F:.]*:[0-9a-fA-F:.]*\](:[0-9]+)?', '<ip>', 'g');
-    t := regexp_replace(t, '\m0[xX][0-9a-fA-F]+\M', '<hex>', 'g');
-    t := regexp_replace(t, '\m(?=[0-9a-fA-F]*[0-9])[0-9a-fA-F]{8,}\M', '<hex>', 'g');
-    t := regexp_replace(t, '(^|[^[:alnum:]_.])-?([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|sec|secs|seconds?|m|min|mins|minutes?|h|hours?|d|days?))+\M', '\1<dur>', 'g');
-    t := regexp_replace(t, '(^|[^[:alnum:]_.])-?[0-9]+(\.[0-9]+)*\M', '\1<n>', 'g');
+    t := regexp_replace(t, E'\\m[0-9]{1,2}:[0-9]{2}:[0-9]{2}([.,][0-9]+)?', '<time>', 'g');
+    t := regexp_replace(t, E'\\m[0-9]{1,3}\\.[0-9]{1,3}\\.[0-9]{1,3}\\.[0-9]{1,3}(:[0-9]+)?', '<ip>', 'g');
+    t := regexp_replace(t, E'\\[[0-9a-fA-F:.]*:[0-9a-fA-F:.]*\\](:[0-9]+)?', '<ip>', 'g');
+    t := regexp_replace(t, E'\\m0[xX][0-9a-fA-F]+\\M', '<hex>', 'g');
+    t := regexp_replace(t, E'\\m(?=[0-9a-fA-F]*[0-9])[0-9a-fA-F]{8,}\\M', '<hex>', 'g');
+    t := regexp_replace(t, E'(^|[^[:alnum:]_.])-?([0-9]+(\\.[0-9]+)?(ns|us|µs|ms|s|sec|secs|seconds?|m|min|mins|minutes?|h|hours?|d|days?))+\\M', E'\\1<dur>', 'g');
+    t := regexp_replace(t, E'(^|[^[:alnum:]_.])-?[0-9]+(\\.[0-9]+)*\\M', E'\\1<n>', 'g');
     t := btrim(regexp_replace(t, '[[:space:]]+', ' ', 'g'));
     RETURN prefix || t;
 END $$;

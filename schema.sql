@@ -220,8 +220,9 @@ CREATE OR REPLACE FUNCTION config_check() RETURNS trigger LANGUAGE plpgsql SET s
 DECLARE
     name  text := substr(NEW.section, 7);
     v     text := NEW.value;
-    -- Go's unicode.IsSpace, which strings.TrimSpace and strings.Fields use.
-    sp    constant text := '[\t\n\v\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]';
+    -- Go's unicode.IsSpace, which strings.TrimSpace and strings.Fields use. E'' strings with
+    -- doubled backslashes, as every pattern with one in these files (operate.sql: error_pattern).
+    sp    constant text := E'[\\t\\n\\v\\f\\r \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]';
     hi    bigint;
     unit  numeric := 1e9;  -- nanoseconds per unit of a duration
     suf   text;
@@ -260,7 +261,7 @@ BEGIN
         END LOOP;
         IF v ~* '^[+-]?0x' THEN
             NULL;  -- a hexadecimal float: the dispatcher judges it
-        ELSIF v !~ '^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$' THEN
+        ELSIF v !~ E'^[+-]?([0-9]+\\.?[0-9]*|\\.[0-9]+)([eE][+-]?[0-9]+)?$' THEN
             why := format('want a duration such as 30, 0.5, 250ms, 5s, 2m or 1h, got %s', to_json(NEW.value));
         ELSE
             BEGIN

@@ -1,7 +1,9 @@
 package main
 
 import (
+	"context"
 	"crypto/sha256"
+	"database/sql"
 	"errors"
 	"fmt"
 	"os"
@@ -9,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -328,5 +331,100 @@ func sameShape(t *testing.T, got []string, fresh []string) {
 		if !in(l, got) {
 			t.Errorf("a fresh schema has, and the upgraded one has not:\n%s", l)
 		}
+	}
+}
+
+// TestSchemaStandardStrings: every function of the schema means the same under
+// standard_conforming_strings = off, which a server kept for older applications sets (the
+// server's default, so every session of pepsi's has it). A backslash in a plain ” string is
+// an escape there: error_pattern's '\m[0-9]…' patterns matched nothing ('\m' became 'm'), so
+// that the failures page and `pepsi-queue errors` split one cause into a group per time, IP
+// and number, and '\1<n>' put a control character into every signature; config_check's
+// character class of white space took the letter v. PostgreSQL's own lexer says where:
+// each function's body is checked by its language's validator in a session with the setting
+// off, and a "nonstandard use of escape" warning names it.
+func TestSchemaStandardStrings(t *testing.T) {
+	s := newTestSchema(t)
+	base, err := pq.NewConnector(s.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var notices []string
+	db := sql.OpenDB(pq.ConnectorWithNoticeHandler(base, func(e *pq.Error) {
+		mu.Lock()
+		defer mu.Unlock()
+		notices = append(notices, e.Message)
+	}))
+	defer db.Close()
+	ctx := context.Background()
+	conn, err := db.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	sample := `stage a: status 1: relay 10.0.0.1:25 at 12:03:04 said 0x1f after 30s, id 4242 (line 7)`
+	var want string
+	if err := conn.QueryRowContext(ctx, `SELECT error_pattern($1)`, sample).Scan(&want); err != nil {
+		t.Fatal(err)
+	}
+	if want != "stage a: status 1: relay <ip> at <time> said <hex> after <dur>, id <n> (line <n>)" {
+		t.Fatalf("error_pattern with the standard setting: %q", want)
+	}
+	if _, err := conn.ExecContext(ctx, `SET standard_conforming_strings = off`); err != nil {
+		t.Fatal(err)
+	}
+	rows, err := conn.QueryContext(ctx, `SELECT p.oid, p.proname, l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang
+		WHERE p.pronamespace = $1::regnamespace AND l.lanname IN ('plpgsql', 'sql') ORDER BY p.proname`, s.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type fn struct {
+		oid        uint32
+		name, lang string
+	}
+	var fns []fn
+	for rows.Next() {
+		var f fn
+		if err := rows.Scan(&f.oid, &f.name, &f.lang); err != nil {
+			t.Fatal(err)
+		}
+		fns = append(fns, f)
+	}
+	if err := rows.Err(); err != nil || len(fns) < 20 {
+		t.Fatalf("the schema's functions: %d, %v", len(fns), err)
+	}
+	validator := map[string]string{"plpgsql": "plpgsql_validator", "sql": "fmgr_sql_validator"}
+	for _, f := range fns {
+		mu.Lock()
+		notices = nil
+		mu.Unlock()
+		if _, err := conn.ExecContext(ctx, `SELECT `+validator[f.lang]+`($1)`, f.oid); err != nil {
+			t.Errorf("function %s under standard_conforming_strings = off: %v", f.name, err)
+		}
+		mu.Lock()
+		for _, n := range notices {
+			if strings.Contains(n, "escape") {
+				t.Errorf("function %s: %s: write the literal as an E'' string, its backslashes doubled", f.name, n)
+			}
+		}
+		mu.Unlock()
+	}
+	// What it does, in a session of its own (a session keeps a function as it first compiled
+	// it): the server's default, as a DBA sets it.
+	off, err := sql.Open("postgres", s.DSN+" options='-c search_path="+s.Name+" -c standard_conforming_strings=off -c escape_string_warning=off'")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer off.Close()
+	var got string
+	if err := off.QueryRow(`SELECT error_pattern($1)`, sample).Scan(&got); err != nil {
+		t.Fatal(err)
+	}
+	if got != want {
+		t.Errorf("error_pattern under standard_conforming_strings = off: %q, want %q", got, want)
+	}
+	if _, err := off.Exec(`INSERT INTO config (section, key, value) VALUES ('stage-a', 'RETRY_DELAY', '0s'), ('stage-a', 'NEXT', 'route')`); err != nil {
+		t.Errorf("config_check under standard_conforming_strings = off refused good rows: %v", err)
 	}
 }
