@@ -1,13 +1,13 @@
 -- fanin.sql: fan-out / fan-in, included by schema.sql (\ir fanin.sql); apply schema.sql, not
 -- this file alone: it needs the core tables that schema.sql creates before it.
--- The design and its invariants I1-I7: doc/design/fanin.md; a bare "§3.x" below is a section
+-- The design and its invariants I1-I7: doc/design/fanin.md; a bare "section 3.x" below is a section
 -- of that document.
 
 ------------------------------------------------------------------------------------------
--- Fan-out / fan-in (doc/design/fanin.md §3): groups of children and the exactly-once wake of their
+-- Fan-out / fan-in (doc/design/fanin.md section 3): groups of children and the exactly-once wake of their
 -- parent.
 --
--- Who writes what (invariants I1-I7 of doc/design/fanin.md §3.1):
+-- Who writes what (invariants I1-I7 of doc/design/fanin.md section 3.1):
 --   workqueue children   INSERT by the split stage (fanout_split*), in the same transaction as
 --                        its fanout row and its parent's move to 'waiting' (I5). Afterwards
 --                        they are ordinary rows: claimed, retried and failed like any other.
@@ -35,7 +35,7 @@
 
 
 ------------------------------------------------------------------------------------------
--- Data model (doc/design/fanin.md §3.2)
+-- Data model (doc/design/fanin.md section 3.2)
 ------------------------------------------------------------------------------------------
 
 -- Failed children of a group, in slice order: the continuation's failed list. Only failed rows
@@ -154,7 +154,7 @@ CREATE TABLE IF NOT EXISTS fanin_quarantine (
 -- writes no event: a fired group ignores events anyway.
 --
 -- Updates, the hot path, are seen by a statement-level trigger in the ordinary roles (origin,
--- local) and by a row trigger in the replica role. The row trigger was the first design (doc/design/fanin.md §3.10),
+-- local) and by a row trigger in the replica role. The row trigger was the first design (doc/design/fanin.md section 3.10),
 -- but a plpgsql call and an INSERT for each child cost about 21 us of the child's own
 -- transaction (measured on PostgreSQL 15: 64 children per outcome statement, 20,000 children);
 -- one INSERT ... SELECT over the statement's transition tables costs about 8 us per child, and
@@ -287,7 +287,7 @@ BEGIN
 END $$;
 
 ------------------------------------------------------------------------------------------
--- Split (§3.3): the split stage's own write, in its transaction (I5)
+-- Split (section 3.3): the split stage's own write, in its transaction (I5)
 ------------------------------------------------------------------------------------------
 
 -- fanout_range_slices cuts [p_lo, p_hi] (both inclusive) into N half-open slices of equal
@@ -568,7 +568,7 @@ BEGIN
 END $$;
 
 ------------------------------------------------------------------------------------------
--- The coordinator's side (§3.4, §3.5): flush, fire_ready, sweep. Coordinator only (I1).
+-- The coordinator's side (section 3.4, section 3.5): flush, fire_ready, sweep. Coordinator only (I1).
 ------------------------------------------------------------------------------------------
 
 -- fanin_fire, fanin_recount and fanin_sweep run on long-lived connections (a page of the sweep
@@ -1050,7 +1050,7 @@ BEGIN
     repaired := (SELECT count(DISTINCT x) FROM unnest(fixed || refire) AS x);
 END $$;
 
--- fanin_sweep is one page of the low-priority safety sweep (§3.5), for the coordinator when
+-- fanin_sweep is one page of the low-priority safety sweep (section 3.5), for the coordinator when
 -- it is idle; each call is one short transaction. It
 --   1. recounts every quarantined group (whatever the cursor) and clears its quarantine row;
 --   2. recounts the next p_page open groups with fanout_id > p_after that are older than
@@ -1161,7 +1161,7 @@ RETURNS TABLE (fanout_id bigint, state text, remaining int) LANGUAGE sql STABLE 
 $$;
 
 -- fanin_status: gauges for the coordinator's stats and its check before sleeping.
---   inbox_nonempty  unapplied events exist (the "guaranteed wake-up" EXISTS of §3.7)
+--   inbox_nonempty  unapplied events exist (the "guaranteed wake-up" EXISTS of section 3.7)
 --   open_groups, oldest_open_age_s, quarantined
 CREATE OR REPLACE FUNCTION fanin_status(OUT inbox_nonempty boolean, OUT open_groups bigint,
                                         OUT oldest_open_age_s double precision,
@@ -1175,7 +1175,7 @@ LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
 $$;
 
 ------------------------------------------------------------------------------------------
--- Continuation helpers (§3.6): read-only, for the stage the parent wakes at
+-- Continuation helpers (section 3.6): read-only, for the stage the parent wakes at
 ------------------------------------------------------------------------------------------
 
 -- fanin_result: the group the message p_parent last waited on (its wait_fanout_id), with the
@@ -1206,7 +1206,7 @@ LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
 $$;
 
 ------------------------------------------------------------------------------------------
--- Child keyset pagination (§3.3): the cursor of a range child, in state.cursor
+-- Child keyset pagination (section 3.3): the cursor of a range child, in state.cursor
 ------------------------------------------------------------------------------------------
 
 -- fanout_child_cursor: the lower bound of what child p_child has left to do: state.cursor

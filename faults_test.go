@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"runtime"
@@ -21,6 +22,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"pepsi-dispatch/internal/schemafile"
 )
 
 // rawWorker is a stage without the SDK that misbehaves as a message's payload asks:
@@ -1238,4 +1241,48 @@ func TestDeferHonoured(t *testing.T) {
 		t.Errorf("a defer was counted as a failure: %+v", r)
 	}
 	d.stop()
+}
+
+// TestFailureReasonOutsideDatabaseEncoding: on a database whose encoding is not UTF-8
+// (LATIN1 here, as a DBA of a Western European system may have made it), a worker's failure
+// reason with a character the encoding has no place for ("→") made PostgreSQL refuse the
+// dispatcher's failure write, at every retry: the message stayed running for ever, said once
+// as a write "the database refused by itself". The reason is written again with its
+// characters outside ASCII as escapes; the message is retried and fails as its stage asked.
+func TestFailureReasonOutsideDatabaseEncoding(t *testing.T) {
+	admin, err := sql.Open("postgres", baseDSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close()
+	db := fmt.Sprintf("pepsi_latin1_%06d", rand.IntN(1000000))
+	if _, err := admin.Exec(`CREATE DATABASE ` + db + ` ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0`); err != nil {
+		t.Fatalf("create a LATIN1 database: %v", err)
+	}
+	t.Cleanup(func() { admin.Exec(`DROP DATABASE IF EXISTS ` + db + ` WITH (FORCE)`) })
+	s := &testSchema{Name: "public", DSN: baseDSN(t) + " dbname=" + db}
+	s.DB, err = sql.Open("postgres", s.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.DB.Close()
+	ddl, err := schemafile.Read("schema.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.exec(t, ddl)
+	script := writeFile(t, testDir(t), "fail.sh", "#!/bin/sh\nwhile read id; do echo '1 naïve → ✓ failed'; done\n")
+	if err := os.Chmod(script, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	d := startDaemon(t, baseConf(s, "")+fmt.Sprintf("[stage-a]\nPROGRAM = %s\nMAX_ATTEMPTS = 2\nRETRY_DELAY = 0.1\n", script), "none")
+	id := insertOne(t, s, "a", `{}`)
+	waitFor(t, 30*time.Second, "the message failed after two attempts", func() bool { return row(t, s, id).status == "failed" })
+	d.stop()
+	if r := row(t, s, id); r.attempts != 2 || r.reason != `stage a: status 1: na\u00EFve \u2192 \u2713 failed` {
+		t.Errorf("the failed message: %+v", r)
+	}
+	if strings.Contains(d.log.String(), "refused this message's failure write") {
+		t.Errorf("the failure write was refused:\n%s", d.log.String())
+	}
 }

@@ -87,14 +87,14 @@ CREATE INDEX IF NOT EXISTS operator_log_at ON operator_log (at);
 
 -- error_pattern: the error text with what varies between two occurrences of one cause
 -- replaced by placeholders, in this order (each step sees the previous one's output):
---   1. quoted values ('…', "…", `…`)                         -> '?'
---   2. URLs (scheme://…)                                      -> <url>
+--   1. quoted values ('...', "...", `...`)                         -> '?'
+--   2. URLs (scheme://...)                                      -> <url>
 --   3. e-mail addresses                                       -> <email>
 --   4. UUIDs                                                  -> <uuid>
 --   5. dates and times (2026-12-02T14:57:01.5Z, 2026-12-02, 14:57:01)  -> <time>
 --   6. IPv4 addresses (with an optional :port), IPv6 in [ ]   -> <ip>
---   7. hexadecimal: 0x… and runs of 8 or more hex digits with at least one digit -> <hex>
---   8. durations: a number with a unit (ms, s, m, h, us, µs, ns, min, sec, seconds, …),
+--   7. hexadecimal: 0x... and runs of 8 or more hex digits with at least one digit -> <hex>
+--   8. durations: a number with a unit (ms, s, m, h, us (or with the micro sign), ns, min, sec, seconds, ...),
 --      also chained (1m30s)                                  -> <dur>
 --   9. any other number that starts a word (123, 4.5, -7, 5.1.1) -> <n>
 --  10. runs of white space                                    -> one space, trimmed
@@ -124,7 +124,7 @@ BEGIN
     t := regexp_replace(t, E'\\[[0-9a-fA-F:.]*:[0-9a-fA-F:.]*\\](:[0-9]+)?', '<ip>', 'g');
     t := regexp_replace(t, E'\\m0[xX][0-9a-fA-F]+\\M', '<hex>', 'g');
     t := regexp_replace(t, E'\\m(?=[0-9a-fA-F]*[0-9])[0-9a-fA-F]{8,}\\M', '<hex>', 'g');
-    t := regexp_replace(t, E'(^|[^[:alnum:]_.])-?([0-9]+(\\.[0-9]+)?(ns|us|µs|ms|s|sec|secs|seconds?|m|min|mins|minutes?|h|hours?|d|days?))+\\M', E'\\1<dur>', 'g');
+    t := regexp_replace(t, E'(^|[^[:alnum:]_.])-?([0-9]+(\\.[0-9]+)?(ns|us|\\u00B5s|ms|s|sec|secs|seconds?|m|min|mins|minutes?|h|hours?|d|days?))+\\M', E'\\1<dur>', 'g');
     t := regexp_replace(t, E'(^|[^[:alnum:]_.])-?[0-9]+(\\.[0-9]+)*\\M', E'\\1<n>', 'g');
     t := btrim(regexp_replace(t, '[[:space:]]+', ' ', 'g'));
     RETURN prefix || t;
@@ -145,7 +145,7 @@ $$;
 -- status, the statuses are those `errors` groups by default: failed and paused.
 -- It has no SET clause, unlike every other function here, so that PostgreSQL inlines it into
 -- the statement that calls it (queue_select, queue_errors), whose own SET search_path then
--- resolves its names: a function with one is called row by row, about 6 µs each, and a
+-- resolves its names: a function with one is called row by row, about 6 us each, and a
 -- selection that walks the table ("--signature", "--error", "--status pending") took 26 s on
 -- 4 million rows, against 0.6 s inlined. It is not meant to be called on its own.
 CREATE OR REPLACE FUNCTION queue_match(w workqueue, f jsonb) RETURNS boolean

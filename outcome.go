@@ -357,11 +357,21 @@ const refusedSplitBudget = 100 * time.Millisecond
 // Such a failure waits as a held one does: said (at most failureLinesPerMinute lines a
 // minute), tried again every second, its row running and ours, the claims going on; so do
 // those failRows did not try within refusedSplitBudget of the loop's time.
+//
+// One refusal is pepsi's to mend: a database whose encoding is not UTF-8 has no place for a
+// character of the reason (a worker's "→" in LATIN1). The reason is then written again a
+// second later with its characters outside ASCII as escapes (asciiReason), said nowhere: the
+// message fails or is retried as it would have, and its reason can still be read.
 func (c *coordinator) keepRefusedFailures(refused map[int64]error, held map[int64]bool) {
-	for _, f := range c.failures {
+	for i := range c.failures {
+		f := &c.failures[i]
 		if err, ok := refused[f.m.id]; ok {
 			held[f.m.id] = true
 			f.m.writeHeld = true // over an outage it stays a failure (reconcile.go)
+			if r, ok := asciiReason(f.reason, err); ok {
+				f.reason = r
+				continue
+			}
 			c.noteRefused(f.m, "failure write", err)
 		}
 	}

@@ -14,11 +14,13 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/lib/pq"
 )
@@ -164,6 +166,30 @@ const reasonMaxBytes = 2000
 func storableReason(reason string) string {
 	reason = strings.ReplaceAll(strings.ToValidUTF8(reason, "\ufffd"), "\x00", "\ufffd")
 	return clip(reason, reasonMaxBytes)
+}
+
+// asciiReason is reason with every character outside ASCII written as a \u or \U escape, for a
+// database whose encoding (not UTF-8) has no place for one of them: PostgreSQL refuses the
+// reason's conversion (untranslatable_character, 22P05), and the failure write with it, at
+// every retry. ok is false when reason is ASCII already, or err is another refusal.
+func asciiReason(reason string, err error) (string, bool) {
+	var pe *pq.Error
+	if !errors.As(err, &pe) || (pe.Code != "22P05" && pe.Code != "22021") {
+		return reason, false
+	}
+	var b strings.Builder
+	for _, r := range reason {
+		switch {
+		case r < utf8.RuneSelf:
+			b.WriteRune(r)
+		case r <= 0xFFFF:
+			fmt.Fprintf(&b, "\\u%04X", r)
+		default:
+			fmt.Fprintf(&b, "\\U%08X", r)
+		}
+	}
+	out := b.String()
+	return out, out != reason
 }
 
 // writeFailures records fs in one statement. Rows whose claim is no longer ours are skipped by

@@ -161,7 +161,7 @@ CREATE INDEX IF NOT EXISTS workqueue_stopped ON workqueue (status, workqueue_id)
     WHERE status IN ('failed', 'paused', 'held', 'cancelled');
 -- No index on running rows, on purpose: it cost every claim an index insert, and the
 -- planner used it for the stages' outcome UPDATE ... FROM (VALUES ...) by id, scanning every
--- row in flight for each batch (measured: 56 µs of server time per outcome row in the
+-- row in flight for each batch (measured: 56 us of server time per outcome row in the
 -- benchmark) instead of one primary-key probe per row. Only the start-up reset of orphaned
 -- running rows reads the table, and the re-lock's reconcile (reconcile.go: in windows of 50,000
 -- rows, about 1.4 s for 4 million rows). Dropped if an older version
@@ -414,7 +414,7 @@ END $$;
 -- A database made before a rule gets it here, after one scan of the table that does not block
 -- writes (NOT VALID, then VALIDATE); one that holds rows the rule refuses is refused with
 -- their count, and gets the rule when this file is applied again once they are mended or gone.
--- A CHECK is evaluated on every UPDATE of a row: these cost about 0.15 µs per row written
+-- A CHECK is evaluated on every UPDATE of a row: these cost about 0.15 us per row written
 -- (measured on 1,000,000 rows, with and without them), some 0.4 % of a transition.
 DO $$
 DECLARE
@@ -448,7 +448,7 @@ END $$;
 
 -- The schema's version, last, so that a file that stopped part-way (ON_ERROR_STOP) does not
 -- claim it: the daemon and pepsi-queue refuse to run on an older one (internal/schemafile:
--- Version), which a binary upgraded without re-applying this file meets as "column … does not
+-- Version), which a binary upgraded without re-applying this file meets as "column ... does not
 -- exist" in every claim. Raised with every change to this file, fanin.sql or operate.sql
 -- (TestSchemaVersion holds it to their text).
 CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql IMMUTABLE PARALLEL SAFE AS 'SELECT 1';

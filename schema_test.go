@@ -14,6 +14,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/lib/pq"
 
@@ -208,6 +209,25 @@ func TestSchemaUpgradeReplacesOld(t *testing.T) {
 	sameShape(t, schemaShape(t, s), fresh)
 }
 
+// TestSchemaFilesASCII: PostgreSQL converts a statement into the database's encoding before it
+// parses it, comments included, so that a character the encoding lacks ("…" in LATIN1, "§" in
+// KOI8R) refused the whole file on such a database (TestFailureReasonOutsideDatabaseEncoding
+// applies it to a LATIN1 one). The files are ASCII; error_pattern's micro sign is the regular
+// expression's escape \u00B5.
+func TestSchemaFilesASCII(t *testing.T) {
+	for _, f := range []string{"schema.sql", "fanin.sql", "operate.sql"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, line := range strings.Split(string(b), "\n") {
+			if j := strings.IndexFunc(line, func(r rune) bool { return r >= utf8.RuneSelf }); j >= 0 {
+				t.Errorf("%s:%d: a character outside ASCII: %q", f, i+1, line[j:min(len(line), j+12)])
+			}
+		}
+	}
+}
+
 // versionLine is schema.sql's statement that says its version.
 var versionLine = regexp.MustCompile(`(?m)^CREATE OR REPLACE FUNCTION pepsi_schema_version\(\) .* AS 'SELECT ([0-9]+)';\n`)
 
@@ -363,12 +383,12 @@ func TestSchemaStandardStrings(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	sample := `stage a: status 1: relay 10.0.0.1:25 at 12:03:04 said 0x1f after 30s, id 4242 (line 7)`
+	sample := `stage a: status 1: relay 10.0.0.1:25 at 12:03:04 said 0x1f after 30s in 250µs, id 4242 (line 7)`
 	var want string
 	if err := conn.QueryRowContext(ctx, `SELECT error_pattern($1)`, sample).Scan(&want); err != nil {
 		t.Fatal(err)
 	}
-	if want != "stage a: status 1: relay <ip> at <time> said <hex> after <dur>, id <n> (line <n>)" {
+	if want != "stage a: status 1: relay <ip> at <time> said <hex> after <dur> in <dur>, id <n> (line <n>)" {
 		t.Fatalf("error_pattern with the standard setting: %q", want)
 	}
 	if _, err := conn.ExecContext(ctx, `SET standard_conforming_strings = off`); err != nil {
