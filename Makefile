@@ -41,7 +41,7 @@ PYTHON ?= /usr/bin/python3
 test-python:  ## the Python SDK's tests (python/tests, pytest; a private PostgreSQL, the daemon built)
 	cd python && $(PYTHON) -m pytest -q
 
-test-server-settings:  ## the Go suite (-short) and the Python SDK's tests again, against a private server set up otherwise: German messages (lc_messages de_DE.UTF-8; skipped, saying so, without that locale), DateStyle SQL, DMY, a far time zone, IntervalStyle sql_standard, extra_float_digits 0
+test-server-settings:  ## the Go suite (-short) and the Python SDK's tests again, against a private server set up otherwise: German messages (lc_messages de_DE.UTF-8; skipped, saying so, without that locale), DateStyle SQL, DMY, a far time zone, IntervalStyle sql_standard, extra_float_digits 0, standard_conforming_strings off
 	GO=$(GO) PYTHON=$(PYTHON) scripts/test-server-settings de_DE.UTF-8
 
 test-schema-upgrades:  ## this schema.sql applied over every schema state in the git history, each then compared with a fresh schema (a private PostgreSQL; skipped, saying so, in a shallow clone)
