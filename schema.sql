@@ -36,12 +36,26 @@ SET client_min_messages = warning;
 
 -- PostgreSQL 14 or later (CREATE OR REPLACE TRIGGER, below, came with 14; the project is
 -- tested with 15): said first, rather than as a syntax error half-way.
+--
+-- Then this session's search_path becomes the one schema the file applies to, by name, for
+-- the rest of the file: every name below (the objects it makes, the DROP ... IF EXISTS of an
+-- earlier version's, the pins of SET search_path FROM CURRENT) then means that schema's. With
+-- a search_path of several schemas ('"$user", public' with a schema named as the role, or
+-- 'mail, public'), a DROP FUNCTION IF EXISTS of a signature this schema did not have yet found
+-- another system's function further down the path and dropped it, and the pins followed
+-- whoever called ("$user"), so that an operator's pepsi-queue acted on another system's rows
+-- (TestSchemaAppliesToOneSchema).
 DO $$
 BEGIN
     IF current_setting('server_version_num')::int < 140000 THEN
         RAISE EXCEPTION 'pepsi-dispatch needs PostgreSQL 14 or later; this server is %', current_setting('server_version')
             USING ERRCODE = 'feature_not_supported';
     END IF;
+    IF current_schema() IS NULL THEN
+        RAISE EXCEPTION 'no schema of this session''s search_path (%) exists: create the system''s schema first, or set search_path',
+            current_setting('search_path') USING ERRCODE = 'invalid_schema_name';
+    END IF;
+    PERFORM set_config('search_path', quote_ident(current_schema()), false);
 END $$;
 
 CREATE TABLE IF NOT EXISTS workqueue (

@@ -338,18 +338,18 @@ func schemaShape(t *testing.T, s *testSchema) []string {
 	return out
 }
 
-// sameShape fails t with the lines that differ between got's schema and a fresh one.
-func sameShape(t *testing.T, got []string, fresh []string) {
+// sameShape fails t with the lines that differ between got's schema and want's (a fresh one,
+// or the same schema before).
+func sameShape(t *testing.T, got []string, want []string) {
 	t.Helper()
-	in := func(l string, set []string) bool { return slices.Contains(set, l) }
 	for _, l := range got {
-		if !in(l, fresh) {
-			t.Errorf("the upgraded schema has, and a fresh one has not:\n%s", l)
+		if !slices.Contains(want, l) {
+			t.Errorf("the schema has, and should not:\n%s", l)
 		}
 	}
-	for _, l := range fresh {
-		if !in(l, got) {
-			t.Errorf("a fresh schema has, and the upgraded one has not:\n%s", l)
+	for _, l := range want {
+		if !slices.Contains(got, l) {
+			t.Errorf("the schema lacks:\n%s", l)
 		}
 	}
 }
@@ -446,5 +446,48 @@ func TestSchemaStandardStrings(t *testing.T) {
 	}
 	if _, err := off.Exec(`INSERT INTO config (section, key, value) VALUES ('stage-a', 'RETRY_DELAY', '0s'), ('stage-a', 'NEXT', 'route')`); err != nil {
 		t.Errorf("config_check under standard_conforming_strings = off refused good rows: %v", err)
+	}
+}
+
+// TestSchemaAppliesToOneSchema: schema.sql applied in a session whose search_path names
+// several schemas (here the new system's, then another system's) makes everything in the
+// first and touches nothing else. Its DROP FUNCTION IF EXISTS of an earlier version's
+// signature, not yet in the new schema, found the other system's current fanin_flush further
+// down the path and dropped it; and every function's pin (SET search_path FROM CURRENT) took
+// the whole path, so that the functions of one system could read another's tables.
+func TestSchemaAppliesToOneSchema(t *testing.T) {
+	s := newTestSchema(t) // the other system
+	before := schemaShape(t, s)
+	b := s.Name + "_b"
+	s.exec(t, `CREATE SCHEMA `+b)
+	t.Cleanup(func() { s.DB.Exec(`DROP SCHEMA ` + b + ` CASCADE`) })
+	db, err := sql.Open("postgres", s.DSN+" options='-c search_path="+b+","+s.Name+"'")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	ddl, err := schemafile.Read("schema.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(ddl); err != nil {
+		t.Fatalf("apply schema.sql with search_path %s, %s: %v", b, s.Name, err)
+	}
+	sameShape(t, schemaShape(t, s), before)
+	rows, err := s.DB.Query(`SELECT proname, c FROM pg_proc, unnest(proconfig) c
+		WHERE pronamespace = $1::regnamespace AND c LIKE 'search_path=%' AND c <> 'search_path=' || $1`, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var name, c string
+		if err := rows.Scan(&name, &c); err != nil {
+			t.Fatal(err)
+		}
+		t.Errorf("%s.%s is pinned to %s, not to its own schema", b, name, c)
+	}
+	if n := s.count(t, `SELECT count(*) FROM pg_proc WHERE pronamespace = $1::regnamespace`, b); n < 40 {
+		t.Errorf("%d functions in %s: the schema was not made there", n, b)
 	}
 }
