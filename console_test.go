@@ -172,6 +172,18 @@ func TestConsolePages(t *testing.T) {
 				t.Errorf("GET %s: body lacks %q", tc.path, w)
 			}
 		}
+		if tc.path == "/failures" {
+			// In UTC, as pepsi-queue errors prints them: the session's TimeZone is the
+			// server's (a DBA's Pacific/Chatham in make test-server-settings), and a time
+			// without its zone could not be told from UTC.
+			var first time.Time
+			if err := h.s.DB.QueryRow(`SELECT first_seen FROM queue_errors()`).Scan(&first); err != nil {
+				t.Fatal(err)
+			}
+			if w := first.UTC().Format("2006-01-02 15:04Z"); !strings.Contains(body, w) {
+				t.Errorf("GET /failures: body lacks the first failure's time in UTC, %s", w)
+			}
+		}
 		// Nothing of the hostile payload survives unescaped, on any page.
 		for _, bad := range []string{"<script>alert", "<img src=x", "<b>relay", "<b>parse"} {
 			if strings.Contains(body, bad) {
