@@ -699,10 +699,7 @@ func ordinaryOwner(t *testing.T, s *testSchema, ddl string) string {
 		t.Fatal(err)
 	}
 	defer own.Close()
-	schema, err := schemafile.Read("schema.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
+	schema := schemaDDL(t)
 	for _, q := range []string{schema, ddl} {
 		if _, err := own.Exec(q); err != nil {
 			t.Fatalf("apply the schema as %s: %v", role, err)

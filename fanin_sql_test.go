@@ -29,8 +29,6 @@ import (
 	"time"
 
 	"github.com/lib/pq"
-
-	"pepsi-dispatch/internal/schemafile"
 )
 
 // faninQuerier is what the helpers run statements on: *sql.DB, *sql.Conn or *sql.Tx.
@@ -2197,10 +2195,7 @@ func TestFaninChildCursor(t *testing.T) {
 // through the range, and applying the file once more changes nothing.
 func TestFaninUpgradeIDRange(t *testing.T) {
 	s := newTestSchema(t)
-	ddl, err := schemafile.Read("schema.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
+	ddl := schemaDDL(t)
 	openParent := faninParent(t, s, "split")
 	open := faninSplitPayloads(t, s.DB, openParent, 3)
 	s.exec(t, `INSERT INTO workqueue (stage, status) VALUES ('zz', 'done')`)

@@ -22,8 +22,6 @@ import (
 	"syscall"
 	"testing"
 	"time"
-
-	"pepsi-dispatch/internal/schemafile"
 )
 
 // rawWorker is a stage without the SDK that misbehaves as a message's payload asks:
@@ -1266,10 +1264,7 @@ func TestFailureReasonOutsideDatabaseEncoding(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.DB.Close()
-	ddl, err := schemafile.Read("schema.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
+	ddl := schemaDDL(t)
 	s.exec(t, ddl)
 	script := writeFile(t, testDir(t), "fail.sh", "#!/bin/sh\nwhile read id; do echo '1 naïve → ✓ failed'; done\n")
 	if err := os.Chmod(script, 0o755); err != nil {

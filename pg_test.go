@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"pepsi-dispatch/internal/pgtest"
+	"pepsi-dispatch/internal/schemafile"
 )
 
 // testWorkers maps a PEPSI_TEST_WORKER value to the worker program it runs. Test files add
@@ -119,4 +120,14 @@ func staleStatsTx(t testing.TB, s *testSchema) (tx *sql.Tx, seqScans func() int6
 		}
 		return n
 	}
+}
+
+// schemaDDL is schema.sql with its includes, as the tests apply it through a connection.
+func schemaDDL(t testing.TB) string {
+	t.Helper()
+	ddl, err := schemafile.Read("schema.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ddl
 }

@@ -47,16 +47,13 @@ func TestIDsArePositive(t *testing.T) {
 	s.exec(t, `INSERT INTO workqueue (workqueue_id, stage) VALUES (9223372036854775807, 'a')`)
 	s.exec(t, `INSERT INTO fanout (fanout_id, parent_id, expected_n) VALUES (9223372036854775807, 9223372036854775807, 1)`)
 
-	ddl, err := schemafile.Read("schema.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
+	ddl := schemaDDL(t)
 	// The earlier version's shape, with rows the rule refuses.
 	s.exec(t, `ALTER TABLE workqueue DROP CONSTRAINT workqueue_id_positive`)
 	s.exec(t, `ALTER TABLE fanout DROP CONSTRAINT fanout_id_positive`)
 	s.exec(t, `INSERT INTO workqueue (workqueue_id, stage) VALUES (0, 'a'), (-5, 'a')`)
 	s.exec(t, `INSERT INTO fanout (fanout_id, parent_id, expected_n) VALUES (-7, -7, 1)`)
-	_, err = s.DB.Exec(ddl)
+	_, err := s.DB.Exec(ddl)
 	if err == nil || !strings.Contains(err.Error(), "2 rows of workqueue have an id of 0 or below") {
 		t.Fatalf("apply schema.sql over messages with ids 0 and -5: err %v, want them counted", err)
 	}
@@ -103,10 +100,7 @@ func TestTimesAreFinite(t *testing.T) {
 	s.exec(t, `INSERT INTO workqueue (stage, run_at) VALUES ('a', '9999-12-31')`)
 	s.exec(t, `INSERT INTO workqueue (stage, status) VALUES ('a', 'held')`)
 
-	ddl, err := schemafile.Read("schema.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
+	ddl := schemaDDL(t)
 	// The earlier version's shape: no rule on times, and the status check from before held
 	// and cancelled (operate.sql widens it; its lookup must not take the times' rule, which
 	// names status_at, for it).
@@ -116,7 +110,7 @@ func TestTimesAreFinite(t *testing.T) {
 	s.exec(t, `ALTER TABLE workqueue ADD CONSTRAINT workqueue_status_check
 	    CHECK (status IN ('pending', 'running', 'paused', 'waiting', 'done', 'failed'))`)
 	s.exec(t, `INSERT INTO workqueue (stage, created_at) VALUES ('a', '-infinity')`)
-	_, err = s.DB.Exec(ddl)
+	_, err := s.DB.Exec(ddl)
 	if err == nil || !strings.Contains(err.Error(), "1 rows of workqueue have an infinite created_at, status_at, run_at or retry_at") {
 		t.Fatalf("apply schema.sql over a message created at -infinity: err %v, want it counted", err)
 	}
@@ -154,10 +148,7 @@ func TestSchemaUpgrade(t *testing.T) {
 	s.exec(t, `INSERT INTO workqueue (stage, payload, status, attempts, state)
 	           VALUES ('a', '{}', 'failed', 5, '{"dispatch_error": "stage a: gone"}'), ('a', '{}', 'done', 1, '{}')`)
 
-	ddl, err := schemafile.Read("schema.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
+	ddl := schemaDDL(t)
 	for pass := 1; pass <= 2; pass++ {
 		if _, err := s.DB.Exec(ddl); err != nil {
 			t.Fatalf("apply schema.sql over the first version's (pass %d): %v", pass, err)
@@ -199,10 +190,7 @@ func TestSchemaUpgradeReplacesOld(t *testing.T) {
 	s.exec(t, `CREATE TRIGGER workqueue_fence BEFORE INSERT OR UPDATE OR DELETE ON workqueue
 	           FOR EACH STATEMENT EXECUTE FUNCTION workqueue_fence()`)
 	s.exec(t, `CREATE FUNCTION queue_errors_statuses(p_filter jsonb) RETURNS text[] LANGUAGE sql IMMUTABLE AS $$ SELECT '{}'::text[] $$`)
-	ddl, err := schemafile.Read("schema.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
+	ddl := schemaDDL(t)
 	if _, err := s.DB.Exec(ddl); err != nil {
 		t.Fatalf("apply schema.sql again: %v", err)
 	}
@@ -466,10 +454,7 @@ func TestSchemaAppliesToOneSchema(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer db.Close()
-	ddl, err := schemafile.Read("schema.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
+	ddl := schemaDDL(t)
 	if _, err := db.Exec(ddl); err != nil {
 		t.Fatalf("apply schema.sql with search_path %s, %s: %v", b, s.Name, err)
 	}
