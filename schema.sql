@@ -45,8 +45,17 @@ SET client_min_messages = warning;
 -- another system's function further down the path and dropped it, and the pins followed
 -- whoever called ("$user"), so that an operator's pepsi-queue acted on another system's rows
 -- (TestSchemaAppliesToOneSchema).
+--
+-- And no statement waits more than 2 s for a lock: re-applying this file on a running system
+-- takes locks on workqueue (ALTER TABLE takes its strongest even when there is nothing to
+-- add), and one that waited behind a stage's long transaction made every claim, outcome and
+-- producer's INSERT wait behind it in turn, the whole pipeline stopped until that transaction
+-- ended (TestSchemaApplyWaitsNotLong). Stopped by "canceling statement due to lock timeout"
+-- instead, the file is applied again later: it goes on from where it stopped. The settings
+-- are the session's until the end of the file, which puts them back.
 DO $$
 BEGIN
+    PERFORM set_config('lock_timeout', '2s', false);
     IF current_setting('server_version_num')::int < 140000 THEN
         RAISE EXCEPTION 'pepsi-dispatch needs PostgreSQL 14 or later; this server is %', current_setting('server_version')
             USING ERRCODE = 'feature_not_supported';
@@ -476,3 +485,6 @@ END $$;
 -- exist" in every claim. Raised with every change to this file, fanin.sql or operate.sql
 -- (TestSchemaVersion holds it to their text).
 CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql IMMUTABLE PARALLEL SAFE AS 'SELECT 1';
+
+RESET lock_timeout;
+RESET search_path;

@@ -476,3 +476,47 @@ func TestSchemaAppliesToOneSchema(t *testing.T) {
 		t.Errorf("%d functions in %s: the schema was not made there", n, b)
 	}
 }
+
+// TestSchemaApplyWaitsNotLong: re-applying schema.sql on a running system while a stage's
+// transaction holds a row of workqueue. The file's ALTER TABLE waited for that transaction,
+// and every claim, outcome and producer's INSERT waited behind the ALTER in turn: the whole
+// pipeline stopped for as long as the transaction lasted. The file now gives up a lock after
+// 2 s ("lock timeout", 55P03), and the INSERT waits at most that long; applied again once the
+// transaction is gone, it completes.
+func TestSchemaApplyWaitsNotLong(t *testing.T) {
+	s := newTestSchema(t)
+	_, rollback := holdRow(t, s, `INSERT INTO workqueue (stage, payload) VALUES ('a', '{}') RETURNING workqueue_id`)
+	defer rollback()
+	apply, err := sql.Open("postgres", s.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer apply.Close()
+	ddl := schemaDDL(t)
+	applied := make(chan error, 1)
+	go func() { _, err := apply.Exec(ddl); applied <- err }()
+	// The INSERT starts once the apply waits for its lock (pg_locks: not granted).
+	waitFor(t, 10*time.Second, "the apply waiting for a lock", func() bool {
+		return s.count(t, `SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'workqueue'::regclass`) > 0
+	})
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Second)
+	_, err = s.DB.ExecContext(ctx, `INSERT INTO workqueue (stage, payload) VALUES ('a', '{}')`)
+	cancel()
+	if waited := time.Since(start); err != nil || waited > 4*time.Second {
+		t.Errorf("a producer's INSERT behind the schema's apply: %v after %v", err, waited)
+	}
+	select {
+	case err := <-applied:
+		var pe *pq.Error
+		if !errors.As(err, &pe) || pe.Code != "55P03" {
+			t.Errorf("the apply behind a held row: %v, want a lock timeout (55P03)", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the apply still waits for its lock after 10 s")
+	}
+	rollback()
+	if _, err := apply.Exec(ddl); err != nil {
+		t.Fatalf("apply again once the transaction is gone: %v", err)
+	}
+}
