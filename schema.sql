@@ -52,9 +52,11 @@ SET client_min_messages = warning;
 -- producer's INSERT wait behind it in turn, the whole pipeline stopped until that transaction
 -- ended (TestSchemaApplyWaitsNotLong). Stopped by "canceling statement due to lock timeout"
 -- instead, the file is applied again later: it goes on from where it stopped. The settings
--- are the session's until the end of the file, which puts them back.
+-- are the session's until the end of the file, which puts back what they were.
 DO $$
 BEGIN
+    PERFORM set_config('pepsi.saved_search_path', current_setting('search_path'), false);
+    PERFORM set_config('pepsi.saved_lock_timeout', current_setting('lock_timeout'), false);
     PERFORM set_config('lock_timeout', '2s', false);
     IF current_setting('server_version_num')::int < 140000 THEN
         RAISE EXCEPTION 'pepsi-dispatch needs PostgreSQL 14 or later; this server is %', current_setting('server_version')
@@ -486,5 +488,8 @@ END $$;
 -- (TestSchemaVersion holds it to their text).
 CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql IMMUTABLE PARALLEL SAFE AS 'SELECT 1';
 
-RESET lock_timeout;
-RESET search_path;
+DO $$
+BEGIN
+    PERFORM set_config('search_path', current_setting('pepsi.saved_search_path'), false);
+    PERFORM set_config('lock_timeout', current_setting('pepsi.saved_lock_timeout'), false);
+END $$;
