@@ -19,6 +19,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"sync/atomic"
 	"time"
 
 	"github.com/lib/pq"
@@ -50,10 +51,14 @@ type instance struct {
 	keepalive time.Duration // LOCK_KEEPALIVE, applied to every lock session
 }
 
+// newerSchemaSaid: a schema newer than this program is said once per run, not at each of
+// the connects of a start and of every relock.
+var newerSchemaSaid atomic.Bool
+
 // systemKey returns the lock key of the workqueue table in the connection's search_path.
 // It also checks that the schema is there and not older than this program
 // (schemafile.CheckVersion), and says how to apply it if not.
-func systemKey(ctx context.Context, q interface {
+func systemKey(ctx context.Context, log *slog.Logger, q interface {
 	QueryRowContext(context.Context, string, ...any) *sql.Row
 }) (int32, error) {
 	var missing []string
@@ -75,8 +80,14 @@ func systemKey(ctx context.Context, q interface {
 		return 0, fmt.Errorf("check schema: %v not found in the search_path of this connection; "+
 			"apply the schema first: %s", missing, schemafile.Apply)
 	}
-	if err := schemafile.CheckVersion(ctx, q); err != nil {
+	have, err := schemafile.CheckVersion(ctx, q)
+	if err != nil {
 		return 0, err
+	}
+	if have > schemafile.Version && newerSchemaSaid.CompareAndSwap(false, true) {
+		log.Warn("the schema in the database is newer than this program (a newer version applied it): "+
+			"running, but what this version does not know of it may refuse its writes; run the version that applied it",
+			"schema_version", have, "program_schema_version", schemafile.Version)
 	}
 	// oids are unsigned 32-bit; fold them into the signed half of the two-key lock.
 	return int32(uint32(oid.Int64)), nil
@@ -90,7 +101,7 @@ func acquire(ctx context.Context, db *sql.DB, dc DispatchConfig, log *slog.Logge
 	if err != nil {
 		return nil, fmt.Errorf("connect: %w", err)
 	}
-	key, err := systemKey(ctx, conn)
+	key, err := systemKey(ctx, log, conn)
 	if err != nil {
 		conn.Close()
 		return nil, err

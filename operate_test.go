@@ -13,6 +13,7 @@ import (
 	"database/sql"
 	"fmt"
 	"io"
+	"log/slog"
 	"maps"
 	"math/rand/v2"
 	"net/http"
@@ -187,7 +188,7 @@ func status(t testing.TB, s *testSchema, id int64) string {
 // this test's system.
 func waitIdleInTx(t testing.TB, s *testSchema, update string) {
 	t.Helper()
-	key, err := systemKey(context.Background(), s.DB)
+	key, err := systemKey(context.Background(), slog.New(slog.NewTextHandler(io.Discard, nil)), s.DB)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -252,6 +252,22 @@ func TestSchemaVersion(t *testing.T) {
 	}
 }
 
+// TestNewerSchemaSaid: a dispatcher rolled back under a schema a newer version applied runs,
+// and says so once, with both versions.
+func TestNewerSchemaSaid(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, fmt.Sprintf(`CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql AS 'SELECT %d'`, schemafile.Version+1))
+	s.exec(t, runsDDL)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", ""), "pipeline")
+	id := insertOne(t, s, "a", `{}`)
+	waitFor(t, 30*time.Second, "the message done", func() bool { return row(t, s, id).status == "done" })
+	d.stop()
+	want := fmt.Sprintf("schema_version=%d program_schema_version=%d", schemafile.Version+1, schemafile.Version)
+	if n := strings.Count(d.log.String(), "the schema in the database is newer than this program"); n != 1 || !strings.Contains(d.log.String(), want) {
+		t.Errorf("the newer schema said %d times (want once, with %s):\n%s", n, want, d.log.String())
+	}
+}
+
 // TestOlderSchemaRefused: a dispatcher started on a schema older than it (the binary upgraded,
 // schema.sql not applied again) ran and failed every claim, every second, on a column it did
 // not find ("the database refused this stage's claim alone"). It now refuses to start, saying

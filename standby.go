@@ -85,7 +85,7 @@ func tryConnect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan 
 	if err != nil {
 		return nil, nil, fmt.Errorf("open database: %w", err)
 	}
-	key, err := systemKey(ctx, boot)
+	key, err := systemKey(ctx, log, boot)
 	boot.Close()
 	if err != nil {
 		return nil, nil, err

@@ -113,7 +113,7 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	// An older schema fails its statements one by one ("function queue_select(…) does not
 	// exist"): said once, before any.
 	vctx, cancel := context.WithTimeout(ctx, 15*time.Second)
-	err = schemafile.CheckVersion(vctx, db)
+	_, err = schemafile.CheckVersion(vctx, db)
 	cancel()
 	if err != nil {
 		if isConnErr(err) {

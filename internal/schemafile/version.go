@@ -17,19 +17,19 @@ const Version = 1
 const Apply = `psql -v ON_ERROR_STOP=1 -f schema.sql "$DSN"`
 
 // CheckVersion reads the version of the schema in the connection's search_path and refuses
-// one older than Version, or one from before versions. A newer one is taken: a schema only
-// adds what a newer version needs.
+// one older than Version, or one from before versions. A newer one is taken, and returned
+// for the caller to say so: a schema only adds what a newer version needs, but a program
+// rolled back under a schema a newer one applied may meet what it does not know.
 func CheckVersion(ctx context.Context, q interface {
 	QueryRowContext(context.Context, string, ...any) *sql.Row
-}) error {
+}) (have int, err error) {
 	var found bool
 	if err := q.QueryRowContext(ctx, `SELECT to_regprocedure('pepsi_schema_version()') IS NOT NULL`).Scan(&found); err != nil {
-		return fmt.Errorf("check schema version: %w", err)
+		return 0, fmt.Errorf("check schema version: %w", err)
 	}
-	have := 0 // from before versions
-	if found {
+	if found { // else from before versions: 0
 		if err := q.QueryRowContext(ctx, `SELECT pepsi_schema_version()`).Scan(&have); err != nil {
-			return fmt.Errorf("check schema version: %w", err)
+			return 0, fmt.Errorf("check schema version: %w", err)
 		}
 	}
 	if have < Version {
@@ -37,8 +37,8 @@ func CheckVersion(ctx context.Context, q interface {
 		if !found {
 			what = "from before versions"
 		}
-		return fmt.Errorf("check schema version: the schema in the database is %s, older than this program, which needs version %d; "+
+		return have, fmt.Errorf("check schema version: the schema in the database is %s, older than this program, which needs version %d; "+
 			"apply this version's schema.sql (it keeps every row): %s", what, Version, Apply)
 	}
-	return nil
+	return have, nil
 }
