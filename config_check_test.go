@@ -35,8 +35,8 @@ func configRowVerdicts(t *testing.T, s *testSchema, section, key, value string) 
 }
 
 // laxRetryDelay is a RETRY_DELAY the trigger leaves to the dispatcher: a hexadecimal float,
-// or an exponent past numeric's range.
-var laxRetryDelay = regexp.MustCompile(`(?i)0x|e[+-]?0*[0-9]{4,}`)
+// digits with '_' (Go's ParseFloat takes "0_0"), or an exponent past numeric's range.
+var laxRetryDelay = regexp.MustCompile(`(?i)0x|_|e[+-]?0*[0-9]{4,}`)
 
 func checkConfigRow(t *testing.T, s *testSchema, section, key, value string) {
 	t.Helper()

@@ -247,10 +247,10 @@ CREATE OR REPLACE TRIGGER config_notify AFTER INSERT OR UPDATE OR DELETE OR TRUN
 -- dispatcher that takes over reads the same table, so one misspelt key in an INSERT stopped
 -- the pipeline. The checks are the daemon's (conf.go: StageConfig.set, validKey,
 -- stageNameRe), which TestConfigCheckAgreesWithDaemon holds this function to; where exact
--- agreement would cost a copy of a float parser (a duration in hexadecimal, an exponent past
--- numeric's range) the row is let through, for the dispatcher to judge. What needs the file
--- (a NEXT naming a stage defined nowhere, a stage without PROGRAM) is the dispatcher's alone.
--- Rows of other sections are ignored by the dispatcher, and here.
+-- agreement would cost a copy of a float parser (a duration in hexadecimal or with '_', an
+-- exponent past numeric's range) the row is let through, for the dispatcher to judge. What
+-- needs the file (a NEXT naming a stage defined nowhere, a stage without PROGRAM) is the
+-- dispatcher's alone. Rows of other sections are ignored by the dispatcher, and here.
 CREATE OR REPLACE FUNCTION config_check() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     name  text := substr(NEW.section, 7);
@@ -294,8 +294,8 @@ BEGIN
                 EXIT;
             END IF;
         END LOOP;
-        IF v ~* '^[+-]?0x' THEN
-            NULL;  -- a hexadecimal float: the dispatcher judges it
+        IF v ~* '^[+-]?0x' OR strpos(v, '_') > 0 THEN
+            NULL;  -- a hexadecimal float, or digits Go's parser may take with '_' ("0_0"): the dispatcher judges it
         ELSIF v !~ E'^[+-]?([0-9]+\\.?[0-9]*|\\.[0-9]+)([eE][+-]?[0-9]+)?$' THEN
             why := format('want a duration such as 30, 0.5, 250ms, 5s, 2m or 1h, got %s', to_json(NEW.value));
         ELSE
