@@ -595,4 +595,10 @@ func TestOlderSchemaRefused(t *testing.T) {
 	if r := s.pq(t, "", "status"); r.code != exitRefused || !strings.Contains(r.stderr, "from before versions") {
 		t.Errorf("no version: exit %d, stderr %q", r.code, r.stderr)
 	}
+	// No schema at all where the DSN points (a search_path without the system's schema) is
+	// not an older one.
+	r = pqWith(t, s.dsn+" options='-c search_path=pepsi_no_such_schema'", "", "status")
+	if r.code != exitRefused || !strings.Contains(r.stderr, "no workqueue table in the search_path of this connection (pepsi_no_such_schema)") {
+		t.Errorf("no schema: exit %d, stderr %q", r.code, r.stderr)
+	}
 }

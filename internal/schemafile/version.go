@@ -23,9 +23,16 @@ const Apply = `psql -v ON_ERROR_STOP=1 -f schema.sql "$DSN"`
 func CheckVersion(ctx context.Context, q interface {
 	QueryRowContext(context.Context, string, ...any) *sql.Row
 }) (have int, err error) {
-	var found bool
-	if err := q.QueryRowContext(ctx, `SELECT to_regprocedure('pepsi_schema_version()') IS NOT NULL`).Scan(&found); err != nil {
+	var table, found bool
+	var path string
+	if err := q.QueryRowContext(ctx, `SELECT to_regclass('workqueue') IS NOT NULL,
+	        to_regprocedure('pepsi_schema_version()') IS NOT NULL, current_setting('search_path')`).Scan(&table, &found, &path); err != nil {
 		return 0, fmt.Errorf("check schema version: %w", err)
+	}
+	if !table {
+		// Not an older schema: none here, or another schema than the DSN selects.
+		return 0, fmt.Errorf("check schema: no workqueue table in the search_path of this connection (%s): "+
+			"select the system's schema in the DSN (options='-c search_path=NAME'), or apply the schema: %s", path, Apply)
 	}
 	if found { // else from before versions: 0
 		if err := q.QueryRowContext(ctx, `SELECT pepsi_schema_version()`).Scan(&have); err != nil {
