@@ -160,7 +160,9 @@ func readConsoleToken(path string) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("read the console credential: %w", err)
 	}
-	tok := bytes.TrimSpace(b)
+	// A byte order mark, which some editors write at the start of a file, is not part of
+	// the credential: the operator types none.
+	tok := bytes.TrimSpace(bytes.TrimPrefix(b, []byte("\uFEFF")))
 	if len(tok) < 16 || bytes.ContainsAny(tok, "\r\n") {
 		return "", fmt.Errorf("the console credential in %s must be one line of at least 16 characters", path)
 	}

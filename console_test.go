@@ -390,9 +390,16 @@ func TestConsoleTokenFile(t *testing.T) {
 			t.Errorf("%s: the error shows the credential: %v", tc.name, err)
 		}
 	}
-	cfg := &Config{Dispatch: DispatchConfig{ConsoleTokenFile: write("good", testConsoleToken+"\n", 0o600)}}
-	if err := cfg.loadConsoleToken(); err != nil || cfg.consoleToken != testConsoleToken {
-		t.Fatalf("a good file: %v, token %q", err, cfg.consoleToken)
+	for name, content := range map[string]string{
+		"good": testConsoleToken + "\n",
+		// Saved by Windows' Notepad: a byte order mark and CRLF, which the operator does not
+		// type at the login form.
+		"notepad": "\uFEFF" + testConsoleToken + "\r\n",
+	} {
+		cfg := &Config{Dispatch: DispatchConfig{ConsoleTokenFile: write(name, content, 0o600)}}
+		if err := cfg.loadConsoleToken(); err != nil || cfg.consoleToken != testConsoleToken {
+			t.Fatalf("the file %s: %v, token %q", name, err, cfg.consoleToken)
+		}
 	}
 	if _, err := loadConfig(write("pepsi.conf", "[database]\nDSN = dbname=x\n[pepsi-dispatch]\nCONSOLE_TOKEN_FILE = relative/path\n", 0o644)); err == nil ||
 		!strings.Contains(err.Error(), "absolute path") {
