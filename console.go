@@ -235,15 +235,15 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 	var heldWrites, heldGroups int       // the dispatcher's, waiting for rows another transaction holds
 	var refusedWrites, refusedGroups int // writes and fan-in wakes the database refuses by itself
 	snap := c.snap()
-	if s := snap; s != nil {
-		for _, st := range s.stages {
+	if snap != nil {
+		for _, st := range snap.stages {
 			v := get(st.name)
 			v.Workers, v.InFlight, v.Held, v.Paused = st.workers, st.inflight, st.held, st.paused
 			if st.running > 0 {
 				v.Counts["running"] = int64(st.running) // no index serves running rows: the dispatcher's own count
 			}
 		}
-		heldWrites, heldGroups, refusedWrites, refusedGroups = s.held, s.faninHeld, s.refused, s.faninRefused
+		heldWrites, heldGroups, refusedWrites, refusedGroups = snap.held, snap.faninHeld, snap.refused, snap.faninRefused
 	}
 	counts, counted, err := c.counts.get(ctx, c.pool())
 	if err != nil {

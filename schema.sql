@@ -258,6 +258,8 @@ DECLARE
     -- Go's unicode.IsSpace, which strings.TrimSpace and strings.Fields use. E'' strings with
     -- doubled backslashes, as every pattern with one in these files (operate.sql: error_pattern).
     sp    constant text := E'[\\t\\n\\v\\f\\r \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]';
+    -- conf.go's parseBool: its words for yes and no.
+    bools constant text[] := ARRAY['yes', 'true', 'on', '1', 'no', 'false', 'off', '0', ''];
     hi    bigint;
     unit  numeric := 1e9;  -- nanoseconds per unit of a duration
     suf   text;
@@ -266,7 +268,7 @@ BEGIN
     IF NEW.section NOT LIKE 'stage-%' THEN
         RETURN NEW;
     END IF;
-    IF NEW.key = 'PAUSED' AND lower(v) IN ('yes', 'true', 'on', '1', 'no', 'false', 'off', '0', '') THEN
+    IF NEW.key = 'PAUSED' AND lower(v) = ANY (bools) THEN
         RETURN NEW;  -- pepsi-queue pause and resume; the dispatcher ignores one of no stage
     END IF;
     IF name !~ '^[a-z0-9_-]+$' THEN
@@ -282,9 +284,8 @@ BEGIN
             why := format('names a stage that cannot exist (stage names are [a-z0-9_-]+), got %s', to_json(v));
         END IF;
     ELSIF NEW.key IN ('FUSE', 'PAUSED') THEN
-        why := format('want yes or no, got %s', to_json(v));  -- PAUSED's good values returned above
-        IF NEW.key = 'FUSE' AND lower(v) IN ('yes', 'true', 'on', '1', 'no', 'false', 'off', '0', '') THEN
-            why := NULL;
+        IF lower(v) <> ALL (bools) THEN
+            why := format('want yes or no, got %s', to_json(v));
         END IF;
     ELSIF NEW.key = 'RETRY_DELAY' THEN
         FOREACH suf IN ARRAY ARRAY['ms', 's', 'm', 'h', 'd'] LOOP

@@ -65,6 +65,7 @@ func (c *coordinator) startStrayCheck() {
 	})
 }
 
+// pendingStages runs pendingStagesSQL.
 func pendingStages(ctx context.Context, db interface {
 	QueryContext(context.Context, string, ...any) (*sql.Rows, error)
 }) ([]string, error) {
