@@ -17,6 +17,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -373,8 +374,8 @@ func TestStandbyTakesOverAfterSigkill(t *testing.T) {
 }
 
 // fenceWorker is a stage that reconnects (database/sql does) and so, thawed after its
-// dispatcher lost the system, would commit if nothing stopped it. Each message: sleep
-// payload.sleep_ms, then one transaction with the run and the guarded outcome, then a row in
+// dispatcher lost the system, would commit if nothing stopped it. Each message: a row in
+// began (the message is in hand), sleep payload.sleep_ms, then one transaction with the run and the guarded outcome, then a row in
 // tries (outside that transaction) saying whether it committed.
 func fenceWorker() int {
 	db, err := sql.Open("postgres", os.Getenv("PEPSI_DSN"))
@@ -395,6 +396,10 @@ func fenceWorker() int {
 			SleepMs int `json:"sleep_ms"`
 		}
 		json.Unmarshal(payload, &b)
+		if _, err := db.Exec(`INSERT INTO began (id, pid) VALUES ($1, $2)`, id, os.Getpid()); err != nil {
+			fmt.Printf("1 began: %v\n", err)
+			continue
+		}
 		time.Sleep(time.Duration(b.SleepMs) * time.Millisecond)
 		err := func() error {
 			tx, err := db.Begin()
@@ -435,6 +440,7 @@ func TestStandbyFencesFrozenHolder(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
 	s.exec(t, `CREATE TABLE tries (id bigint, pid int, ok bool, err text)`)
+	s.exec(t, `CREATE TABLE began (id bigint, pid int)`)
 	key := int32(uint32(s.count(t, `SELECT to_regclass('workqueue')::oid::bigint`))) // as systemKey folds it
 	extra := "STANDBY = yes\nMAX_RUNTIME = 60"
 	stage := stageConf(t, "a", "", "PARALLELISM = 2\nQUEUE_LIMIT = 1")
@@ -453,11 +459,23 @@ func TestStandbyFencesFrozenHolder(t *testing.T) {
 
 	insertOne(t, s, "a", `{"sleep_ms": 3000}`)
 	insertOne(t, s, "a", `{"sleep_ms": 3000}`)
-	waitFor(t, 30*time.Second, "both messages running under the first", func() bool { return countStatus(t, s, "running") == 2 })
+	// A message is running from its claim, before its worker is started or has read it (CI
+	// froze the dispatcher in that gap: one worker, or none, to freeze): wait until each is in
+	// the hands of a worker of its own, then freeze those.
+	waitFor(t, 30*time.Second, "both messages in the hands of the first's two workers", func() bool {
+		return s.count(t, `SELECT count(DISTINCT pid) FROM began`) == 2
+	})
 	oldClaims := s.count(t, `SELECT max(claim) FROM workqueue`)
-	old := workerPids(t, first)
-	if len(old) != 2 {
-		t.Fatalf("%d workers under the first dispatcher, want 2", len(old))
+	var old []int
+	for _, f := range strings.Split(s.count0(t, `SELECT string_agg(DISTINCT pid::text, ' ') FROM began`), " ") {
+		pid, _ := strconv.Atoi(f)
+		old = append(old, pid)
+	}
+	children := workerPids(t, first)
+	for _, pid := range old {
+		if !slices.Contains(children, pid) {
+			t.Fatalf("the workers holding the messages, %v, are not the first dispatcher's (%v)", old, children)
+		}
 	}
 	signalAll := func(sig syscall.Signal, pids ...int) {
 		for _, pid := range pids {
