@@ -69,9 +69,12 @@ func newConsole(pool func() *sql.DB, snap func() *metricsSnapshot, auth *console
 		// the page (U+202E) or not show at all (ESC, CR) is written as an escape, as
 		// pepsi-queue does. Attributes, links and form values carry the exact text.
 		"shown": printable.Lines,
-		// searchURL is a search page's address: its query is built by url.Values.Encode, so
-		// it is marked safe for the href it fills, not escaped a second time.
-		"searchURL": func(v url.Values) template.URL { return template.URL("/search?" + v.Encode()) },
+		// searchURL is a search page's address (relative: see pageData.Root): its query is
+		// built by url.Values.Encode, so it is marked safe for the href it fills, not escaped
+		// a second time.
+		"searchURL": func(root string, v url.Values) template.URL {
+			return template.URL(root + "search?" + v.Encode())
+		},
 	}).ParseFS(consoleFiles, "console/*.html")
 	if err != nil {
 		return nil, fmt.Errorf("parse console templates: %w", err)
@@ -112,7 +115,27 @@ type pageData struct {
 	Auth    bool   // a credential is configured at all (the login form is shown)
 	CSRF    string // the token every action form carries
 	Flash   string // the result of the last action, from the query string
+	Root    string // the console's root relative to this page: consoleRoot
 	Body    any
+}
+
+// consoleRoot is the console's root relative to the page at path ("./" or "../"), which
+// every link, form and script of a page starts with. Relative links keep the console whole
+// behind a reverse proxy that serves it under a path of its own and takes that path off
+// (nginx: location /pepsi/ { proxy_pass http://127.0.0.1:9187/; }): the daemon never sees
+// the prefix, and with absolute links every click left it for the proxy's other pages.
+func consoleRoot(path string) string {
+	if depth := strings.Count(path, "/") - 1; depth > 0 {
+		return strings.Repeat("../", depth)
+	}
+	return "./"
+}
+
+// seeOther redirects to a location relative to the request's own (as links are: consoleRoot;
+// http.Redirect would make it absolute). Every POST endpoint is at the console's root.
+func seeOther(w http.ResponseWriter, location string) {
+	w.Header().Set("Location", location)
+	w.WriteHeader(http.StatusSeeOther)
 }
 
 // pageFunc renders one page's body data, or an error with an HTTP status.
@@ -131,7 +154,7 @@ func (c *console) page(f pageFunc) http.HandlerFunc {
 		consoleHeaders(w)
 		if c.pool() == nil {
 			w.WriteHeader(http.StatusServiceUnavailable)
-			c.render(w, "error", pageData{Title: "Not connected yet", Version: c.version,
+			c.render(w, "error", pageData{Title: "Not connected yet", Version: c.version, Root: consoleRoot(r.URL.Path),
 				Body: "this dispatcher has no database pool yet: it is a standby, or waits for a writable server (see /metrics)"})
 			return
 		}
@@ -145,10 +168,11 @@ func (c *console) page(f pageFunc) http.HandlerFunc {
 				c.log.Warn("console: page failed", "path", r.URL.Path, "err", err)
 			}
 			w.WriteHeader(code)
-			c.render(w, "error", pageData{Title: http.StatusText(code), Version: c.version, Body: err.Error()})
+			c.render(w, "error", pageData{Title: http.StatusText(code), Version: c.version, Root: consoleRoot(r.URL.Path),
+				Body: err.Error()})
 			return
 		}
-		d := pageData{Title: title, Nav: nav, Version: c.version, Body: body,
+		d := pageData{Title: title, Nav: nav, Version: c.version, Body: body, Root: consoleRoot(r.URL.Path),
 			Auth: c.auth != nil, Flash: r.URL.Query().Get("done")}
 		if c.auth != nil && c.auth.loggedIn(r) {
 			d.CanAct, d.CSRF = true, c.auth.csrfToken(r)

@@ -93,10 +93,13 @@ func (c *console) login(w http.ResponseWriter, r *http.Request) {
 		refuse(w, http.StatusForbidden, "wrong credential")
 		return
 	}
-	http.SetCookie(w, &http.Cookie{Name: consoleCookie, Value: c.auth.sessionValue(), Path: "/",
+	// No Path: the browser scopes the cookie to the directory of the login's address, the
+	// console's root, with or without a proxy's prefix (consoleRoot), so that it is not sent
+	// to the other applications, or another console, behind the same proxy.
+	http.SetCookie(w, &http.Cookie{Name: consoleCookie, Value: c.auth.sessionValue(),
 		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil || r.Header.Get("X-Forwarded-Proto") == "https"})
 	c.log.Info("console: operator logged in", "remote", r.RemoteAddr)
-	http.Redirect(w, r, "/", http.StatusSeeOther)
+	seeOther(w, "./")
 }
 
 func (c *console) logout(w http.ResponseWriter, r *http.Request) {
@@ -104,8 +107,10 @@ func (c *console) logout(w http.ResponseWriter, r *http.Request) {
 		refuse(w, http.StatusForbidden, "cross-origin request refused")
 		return
 	}
+	http.SetCookie(w, &http.Cookie{Name: consoleCookie, Value: "", MaxAge: -1, HttpOnly: true, SameSite: http.SameSiteStrictMode})
+	// The login of an earlier version set Path=/: a browser logged in then is logged out too.
 	http.SetCookie(w, &http.Cookie{Name: consoleCookie, Value: "", Path: "/", MaxAge: -1, HttpOnly: true, SameSite: http.SameSiteStrictMode})
-	http.Redirect(w, r, "/", http.StatusSeeOther)
+	seeOther(w, "./")
 }
 
 // action performs one operator action. Wiring to the operator's SQL functions: see

@@ -94,6 +94,20 @@ func (wd *webDriver) click(css string) {
 	wd.call("POST", wd.s("/element/"+wd.find(css)+"/click"), map[string]any{}, nil)
 }
 
+// url is the address of the page the browser shows.
+func (wd *webDriver) url() string {
+	var u string
+	wd.call("GET", wd.s("/url"), nil, &u)
+	return u
+}
+
+// css is the computed value of a CSS property of the first element matching a selector.
+func (wd *webDriver) css(selector, property string) string {
+	var v string
+	wd.call("GET", wd.s("/element/"+wd.find(selector)+"/css/"+property), nil, &v)
+	return v
+}
+
 func (wd *webDriver) typeInto(css, text string) {
 	wd.call("POST", wd.s("/element/"+wd.find(css)+"/value"), map[string]string{"text": text}, nil)
 }
@@ -193,7 +207,7 @@ func TestConsoleBrowser(t *testing.T) {
 			t.Errorf("the overview shows no stage %s", st)
 		}
 	}
-	if !strings.Contains(src, `href="/search?stage=deliver&amp;status=failed">10<`) {
+	if !strings.Contains(src, `href="./search?stage=deliver&amp;status=failed">10<`) {
 		t.Errorf("the overview does not count deliver's 10 failed messages")
 	}
 	wd.screenshot(shots, "overview")
@@ -215,7 +229,7 @@ func TestConsoleBrowser(t *testing.T) {
 	// The click submits the form; wait for the page it leads to (the header then offers to
 	// log out) before opening another, or the open would cut the login short.
 	waitFor(t, 15*time.Second, "the logged-in page", func() bool {
-		return strings.Contains(wd.source(), `action="/logout"`)
+		return strings.Contains(wd.source(), `action="./logout"`)
 	})
 	wd.open(base + "/failures")
 	wd.click(`form button[value="retry"]`)
@@ -247,6 +261,40 @@ func TestConsoleBrowser(t *testing.T) {
 	})
 	waitFor(t, 10*time.Second, "enrich resumed", func() bool {
 		return s.count(t, `SELECT count(*) FROM config WHERE section = 'stage-enrich' AND upper(key) = 'PAUSED' AND lower(value) = 'yes'`) == 0
+	})
+
+	// Behind a reverse proxy that serves the console under /pepsi/ and takes the prefix off,
+	// reached by another host name (localhost: the login above is not sent there): a page one
+	// level down keeps its style, its links lead to the console under the prefix, and a login
+	// and an action come back there.
+	proxy := pathProxy(t, base)
+	pbase := strings.Replace(proxy.URL, "127.0.0.1", "localhost", 1) + "/pepsi/"
+	wd.open(pbase + "message/25")
+	if d := wd.css("header", "display"); d != "flex" {
+		t.Errorf("through the proxy, the header's display is %q: the stylesheet did not load", d)
+	}
+	wd.click(`nav a[href$="failures"]`)
+	waitFor(t, 15*time.Second, "the failures page under the proxy's prefix", func() bool { return wd.url() == pbase+"failures" })
+	wd.typeInto(`input[name="token"]`, testConsoleToken)
+	wd.click(`form.login button`)
+	waitFor(t, 15*time.Second, "the logged-in overview under the proxy's prefix", func() bool {
+		return wd.url() == pbase && strings.Contains(wd.source(), `action="./logout"`)
+	})
+	wd.open(pbase + "stages")
+	wd.click(`form input[value="enrich"] ~ button[value="pause"]`)
+	waitFor(t, 15*time.Second, "the pause's result on the stages page under the prefix", func() bool {
+		return strings.HasPrefix(wd.url(), pbase+"stages?done=") && strings.Contains(wd.source(), "stage enrich paused")
+	})
+	wd.click(`form input[value="enrich"] ~ button[value="resume"]`)
+	waitFor(t, 15*time.Second, "the resume's result", func() bool {
+		return strings.Contains(wd.source(), "stage enrich resumed")
+	})
+	waitFor(t, 10*time.Second, "enrich resumed", func() bool {
+		return s.count(t, `SELECT count(*) FROM config WHERE section = 'stage-enrich' AND upper(key) = 'PAUSED' AND lower(value) = 'yes'`) == 0
+	})
+	wd.click(`header form button`) // log out
+	waitFor(t, 15*time.Second, "logged out, at the overview under the prefix", func() bool {
+		return wd.url() == pbase && strings.Contains(wd.source(), `class="inline login"`)
 	})
 
 	// The other pages load and render.

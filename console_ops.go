@@ -114,14 +114,14 @@ func (c *console) runAction(w http.ResponseWriter, r *http.Request) {
 	c.counts.invalidate() // the next overview counts the rows again
 	c.log.Info("console: operator action", "action", action, "result", summary, "remote", r.RemoteAddr)
 	back := r.PostFormValue("back")
-	if !strings.HasPrefix(back, "/") || strings.HasPrefix(back, "//") {
-		back = "/"
+	u, err := url.Parse(back)
+	if err != nil || !strings.HasPrefix(back, "/") || strings.HasPrefix(back, "//") {
+		u = &url.URL{Path: "/"} // a back that does not parse ("/%zz") panicked here
 	}
-	u, _ := url.Parse(back)
 	q := u.Query()
 	q.Set("done", summary)
 	u.RawQuery = q.Encode()
-	http.Redirect(w, r, u.String(), http.StatusSeeOther)
+	seeOther(w, "."+u.String()) // back is the page's path from the console's root
 }
 
 func asHTTPError(err error, he **httpError) bool {

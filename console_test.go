@@ -9,16 +9,19 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"html"
 	"io"
 	"log/slog"
 	"maps"
 	"net/http"
 	"net/http/cookiejar"
 	"net/http/httptest"
+	"net/http/httputil"
 	"net/url"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -132,14 +135,14 @@ func TestConsolePages(t *testing.T) {
 		want []string
 	}{
 		{"/", 200, []string{`id="stage-parse"`, `id="stage-deliver"`, `class="stage paused" id="stage-deliver"`,
-			`href="/search?stage=deliver&amp;status=failed">1<`, "workers <b>2</b>", "in flight <b>3</b>", "<svg class=\"chart\"",
+			`href="./search?stage=deliver&amp;status=failed">1<`, "workers <b>2</b>", "in flight <b>3</b>", "<svg class=\"chart\"",
 			"<b>1</b> failure or reset write (their messages stay running); <b>2</b> fan-in groups (their parents stay waiting)",
 			`<h2>delivre <span class="badge warn">not configured</span></h2>`}},
 		{"/stages", 200, []string{"&lt;b&gt;parse&lt;/b&gt;", "<td>PAUSED</td>"}},
-		{"/search", 200, []string{`href="/message/1"`, `href="/message/2"`, "&lt;b&gt;relay&lt;/b&gt;"}},
-		{"/search?status=failed", 200, []string{`href="/message/2"`}},
-		{"/search?error=relay", 200, []string{`href="/message/2"`}},
-		{"/search?path=" + url.QueryEscape(`$.text like_regex "script"`), 200, []string{`href="/message/1"`}},
+		{"/search", 200, []string{`href="./message/1"`, `href="./message/2"`, "&lt;b&gt;relay&lt;/b&gt;"}},
+		{"/search?status=failed", 200, []string{`href="./message/2"`}},
+		{"/search?error=relay", 200, []string{`href="./message/2"`}},
+		{"/search?path=" + url.QueryEscape(`$.text like_regex "script"`), 200, []string{`href="./message/1"`}},
 		{"/search?path=" + url.QueryEscape(`$.(`), 400, []string{"JSON path is not valid"}},
 		// A path's parts that PostgreSQL refuses as data, not as the path's grammar: their
 		// errors do not say "jsonpath" (a 500 before). The SQLSTATE, not the server's words,
@@ -196,9 +199,161 @@ func TestConsolePages(t *testing.T) {
 	}
 	// Without a credential no action is shown anywhere.
 	for _, p := range []string{"/", "/search", "/message/1", "/stages", "/failures"} {
-		if _, body := h.get(t, nil, p); strings.Contains(body, `action="/action"`) {
+		if _, body := h.get(t, nil, p); regexp.MustCompile(`action="[./]*action"`).MatchString(body) {
 			t.Errorf("GET %s: an action form is shown without a credential", p)
 		}
+	}
+}
+
+// pathProxy is a reverse proxy serving the console at target under /pepsi/, taking the prefix
+// off as nginx's location /pepsi/ { proxy_pass http://127.0.0.1:9187/; } does, and passing
+// the browser's host on in X-Forwarded-Host. Everything else on it answers 418.
+func pathProxy(t *testing.T, target string) *httptest.Server {
+	t.Helper()
+	to, err := url.Parse(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/pepsi/", &httputil.ReverseProxy{Rewrite: func(r *httputil.ProxyRequest) {
+		r.SetURL(to)
+		r.Out.URL.Path = strings.TrimPrefix(r.In.URL.Path, "/pepsi")
+		r.Out.URL.RawPath = ""
+		r.SetXForwarded()
+	}})
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		http.Error(w, "not the console", http.StatusTeapot)
+	})
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// TestConsoleBehindPathProxy: behind a reverse proxy that serves the console under a path of
+// its own (nginx's location /pepsi/ { proxy_pass http://127.0.0.1:9187/; }, which takes the
+// prefix off), every link, form and redirect of every page stays under that path, and the
+// login cookie is scoped to it. The console does not know the prefix: its links are relative.
+func TestConsoleBehindPathProxy(t *testing.T) {
+	h := newConsoleHarness(t, testConsoleToken)
+	h.s.exec(t, `INSERT INTO workqueue (stage, payload) VALUES ('parse', '{}')`)
+	h.s.exec(t, `INSERT INTO workqueue (stage, status, attempts, payload, state)
+	             VALUES ('deliver', 'failed', 5, '{}', '{"dispatch_error": "relay down"}')`)
+	// A page more than the search shows, so that its "older" link is followed too.
+	h.s.exec(t, `INSERT INTO workqueue (stage, payload) SELECT 'parse', '{}' FROM generate_series(1, $1)`, consolePageSize)
+	proxy := pathProxy(t, h.srv.URL)
+	root := proxy.URL + "/pepsi/"
+	jar, _ := cookiejar.New(nil)
+	cl := &http.Client{Jar: jar}
+
+	fetch := func(method, u string, form url.Values) (*http.Response, string) {
+		t.Helper()
+		req, err := http.NewRequest(method, u, strings.NewReader(form.Encode()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if method == "POST" {
+			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+			req.Header.Set("Origin", proxy.URL)
+		}
+		resp, err := cl.Do(req)
+		if err != nil {
+			t.Fatalf("%s %s: %v", method, u, err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp, string(b)
+	}
+	attr := regexp.MustCompile(`(href|src|action)="([^"]*)"`)
+	// under resolves every link, source and form action of a page against the page's address
+	// and fails those that leave the console's path; it returns the GET ones and the forms'.
+	under := func(page *url.URL, body string) (gets, forms []string) {
+		t.Helper()
+		for _, m := range attr.FindAllStringSubmatch(body, -1) {
+			ref, err := url.Parse(html.UnescapeString(m[2]))
+			if err != nil {
+				t.Errorf("%s: %s=%q is not a URL: %v", page, m[1], m[2], err)
+				continue
+			}
+			u := page.ResolveReference(ref).String()
+			if !strings.HasPrefix(u, root) {
+				t.Errorf("%s: %s=%q leads to %s, outside %s", page, m[1], m[2], u, root)
+				continue
+			}
+			if m[1] == "action" {
+				forms = append(forms, u)
+			} else {
+				gets = append(gets, u)
+			}
+		}
+		return gets, forms
+	}
+
+	// Log in through the proxy: the redirect lands on the console's overview under the
+	// prefix, and the cookie goes to the console's path only.
+	resp, body := fetch("GET", root, nil)
+	_, forms := under(resp.Request.URL, body)
+	if len(forms) != 1 || !strings.HasSuffix(forms[0], "/pepsi/login") {
+		t.Fatalf("the overview's forms before logging in: %v, want the login form under /pepsi/", forms)
+	}
+	resp, _ = fetch("POST", forms[0], url.Values{"token": {testConsoleToken}})
+	if resp.StatusCode != 200 || resp.Request.URL.String() != root {
+		t.Fatalf("login through the proxy: %s at %s, want 200 at %s", resp.Status, resp.Request.URL, root)
+	}
+	other, _ := url.Parse(proxy.URL + "/another-app/")
+	if ck := jar.Cookies(other); len(ck) != 0 {
+		t.Errorf("the login cookie is sent to another application on the proxy's host: %v", ck)
+	}
+
+	// Every page reachable from the overview, logged in (so with every form shown).
+	seen := map[string]bool{root: false}
+	queue := []string{root}
+	kinds := map[string]bool{}
+	for len(queue) > 0 && len(seen) < 300 {
+		u := queue[0]
+		queue = queue[1:]
+		resp, body := fetch("GET", u, nil)
+		if resp.StatusCode != 200 {
+			t.Errorf("GET %s (linked from the console): %s", u, resp.Status)
+			continue
+		}
+		path := strings.TrimPrefix(resp.Request.URL.Path, "/pepsi")
+		kind, _, _ := strings.Cut(strings.TrimPrefix(path, "/"), "/")
+		kinds[kind] = true
+		if !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/html") {
+			continue
+		}
+		gets, _ := under(resp.Request.URL, body)
+		for _, g := range gets {
+			if _, ok := seen[g]; !ok {
+				seen[g] = false
+				queue = append(queue, g)
+			}
+		}
+	}
+	for _, k := range []string{"", "failures", "search", "stages", "message", "static"} {
+		if !kinds[k] {
+			t.Errorf("no page /%s reached through the links (reached: %v)", k, slices.Collect(maps.Keys(kinds)))
+		}
+	}
+
+	// An action from a message's page comes back to that page under the prefix.
+	resp, body = fetch("GET", root+"message/2", nil)
+	_, forms = under(resp.Request.URL, body)
+	m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindStringSubmatch(body)
+	if m == nil || len(forms) != 2 { // log out, and the message's actions
+		t.Fatalf("the failed message's page offers forms %v (csrf %v)", forms, m)
+	}
+	resp, body = fetch("POST", forms[1], url.Values{"action": {"retry"}, "id": {"2"}, "csrf": {m[1]}, "back": {"/message/2"}})
+	if resp.StatusCode != 200 || resp.Request.URL.Path != "/pepsi/message/2" || !strings.Contains(body, `id="flash"`) {
+		t.Errorf("retry through the proxy: %s at %s, want the message's page with the result", resp.Status, resp.Request.URL)
+	}
+	// Log out: back at the overview, the cookie gone.
+	resp, _ = fetch("POST", forms[0], nil)
+	if resp.StatusCode != 200 || resp.Request.URL.String() != root {
+		t.Errorf("logout through the proxy: %s at %s, want 200 at %s", resp.Status, resp.Request.URL, root)
+	}
+	if ck := jar.Cookies(resp.Request.URL); len(ck) != 0 {
+		t.Errorf("the login cookie is still held after logging out: %v", ck)
 	}
 }
 
@@ -245,7 +400,7 @@ func TestConsoleShowsControlCharacters(t *testing.T) {
 			}
 		}
 	}
-	if _, body := h.get(t, nil, "/"); !strings.Contains(body, `href="/search?stage=ru%e2%80%aeexe.txt&amp;status=failed"`) {
+	if _, body := h.get(t, nil, "/"); !strings.Contains(body, `href="./search?stage=ru%e2%80%aeexe.txt&amp;status=failed"`) {
 		t.Errorf("the overview's link to the stage's failed rows does not carry its exact name")
 	}
 }
@@ -258,8 +413,8 @@ func TestConsoleKeysetPaging(t *testing.T) {
 	if stmt, _ := searchSQL(searchQuery{Before: 10}); strings.Contains(strings.ToUpper(stmt), "OFFSET") {
 		t.Fatalf("search statement pages by OFFSET: %s", stmt)
 	}
-	ids := regexp.MustCompile(`href="/message/(\d+)"`)
-	next := regexp.MustCompile(`id="next" href="/search\?([^"]*)"`)
+	ids := regexp.MustCompile(`href="./message/(\d+)"`)
+	next := regexp.MustCompile(`id="next" href="./search\?([^"]*)"`)
 	seen := map[string]bool{}
 	path, pages := "/search?stage=parse", 0
 	for path != "" {
@@ -322,7 +477,7 @@ func TestConsoleWriteRefusals(t *testing.T) {
 		}
 		_, body := h.get(t, cl, "/search")
 		m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindStringSubmatch(body)
-		if m == nil || !strings.Contains(body, `action="/action"`) {
+		if m == nil || !strings.Contains(body, `action="./action"`) {
 			t.Fatalf("logged in, the search page shows no action form with a CSRF token")
 		}
 		for _, tc := range []struct {
@@ -414,7 +569,7 @@ func TestConsoleTokenFile(t *testing.T) {
 func TestConsoleCountsShared(t *testing.T) {
 	h := newConsoleHarness(t, testConsoleToken)
 	h.s.exec(t, `INSERT INTO workqueue (stage) SELECT 'parse' FROM generate_series(1, 3)`)
-	pendingRe := regexp.MustCompile(`status-pending"><a href="/search\?stage=parse&amp;status=pending">(\d+)<`)
+	pendingRe := regexp.MustCompile(`status-pending"><a href="./search\?stage=parse&amp;status=pending">(\d+)<`)
 	jar, _ := cookiejar.New(nil)
 	cl := &http.Client{Jar: jar}
 	pending := func() string {

@@ -170,8 +170,8 @@ func TestRunningRowsCounted(t *testing.T) {
 		pend, ok2 := metric(t, addr, `pepsi_rows{stage="a",status="pending"}`)
 		return ok1 && ok2 && run == 4 && pend == 2
 	})
-	if page := consoleOverview(t, addr); !strings.Contains(page, `href="/search?stage=a&amp;status=running">4<`) ||
-		!strings.Contains(page, `href="/search?stage=a&amp;status=pending">2<`) {
+	if page := consoleOverview(t, addr); !strings.Contains(page, `href="./search?stage=a&amp;status=running">4<`) ||
+		!strings.Contains(page, `href="./search?stage=a&amp;status=pending">2<`) {
 		t.Errorf("the console's overview does not count 4 running and 2 pending rows:\n%s", page)
 	}
 	d.stop()
