@@ -510,6 +510,14 @@ func TestConsoleWriteRefusals(t *testing.T) {
 				t.Errorf("POST /action %v: %d %q, want 400 naming %q", tc.form, code, body, tc.want)
 			}
 		}
+		// A back field that is no path of the console's, or no URL at all, leads to the
+		// overview (one that did not parse panicked the handler after the action had run).
+		for _, back := range []string{"/%zz", "//evil.example/", "http://evil.example/", ""} {
+			code, body := h.post(t, cl, "/action", h.srv.URL, url.Values{"action": {"pause"}, "stage": {"parse"}, "csrf": {m[1]}, "back": {back}})
+			if code != 200 || !strings.Contains(body, `id="stage-parse"`) || !strings.Contains(body, `id="flash"`) {
+				t.Errorf("POST /action with back %q: %d, want the overview with the action's result", back, code)
+			}
+		}
 	})
 }
 
