@@ -175,6 +175,17 @@ func TestConsolePages(t *testing.T) {
 				t.Errorf("GET %s: body lacks %q", tc.path, w)
 			}
 		}
+		if tc.path == "/message/1" {
+			// In UTC, as on the failures page and in pepsi-queue show: the session's
+			// TimeZone is the server's, and its offset was printed as the zone (+1345).
+			var created time.Time
+			if err := h.s.DB.QueryRow(`SELECT created_at FROM workqueue WHERE workqueue_id = 1`).Scan(&created); err != nil {
+				t.Fatal(err)
+			}
+			if w := "<dd>" + created.UTC().Format("2006-01-02 15:04:05Z") + "</dd>"; !strings.Contains(body, w) {
+				t.Errorf("GET /message/1: body lacks the message's creation time in UTC, %s", w)
+			}
+		}
 		if tc.path == "/failures" {
 			// In UTC, as pepsi-queue errors prints them: the session's TimeZone is the
 			// server's (a DBA's Pacific/Chatham in make test-server-settings), and a time
