@@ -1203,13 +1203,40 @@ def run_stages(handlers: Mapping[str, Handler]) -> None:
                          f"(it implements {sorted(handlers)!r})\n")
         sys.exit(2)
     try:
-        serve(cfg, handlers)
+        serve(cfg, handlers, stdout_fd=_reply_fd())
     except (ConnectionLost, OSError) as e:
         # One line: the dispatcher logs a worker's standard error line by line, and libpq's
         # messages end in a newline (a line per host when it tried several).
         sys.stderr.write(f"pepsi_stage {cfg.stage}: {_one_line(str(e))}\n")
         sys.exit(1)
     sys.exit(0)
+
+
+def _reply_fd() -> int:
+    """Move the replies off file descriptor 1 before the first handler runs: return a copy of
+    standard output for them (not inherited by a handler's children) and point descriptor 1 at
+    standard error, line-buffered. What a handler prints, or a program it runs without
+    capturing its output, then reaches the dispatcher's log as its stderr lines; on the reply
+    pipe it was a line that is no reply, a protocol error for which the dispatcher kills the
+    worker, failing its message in flight and putting back the others (pepsi-worker(7)). If a
+    step fails, the replies stay on descriptor 1."""
+    try:
+        fd = os.dup(1)  # non-inheritable
+    except OSError:
+        return 1
+    try:
+        os.dup2(2, 1)
+    except OSError:
+        os.close(fd)
+        return 1
+    # sys.stdout still writes to descriptor 1, now standard error; what it holds, printed
+    # before (at import), goes there too. A line at a time, as the dispatcher logs them.
+    if hasattr(sys.stdout, "reconfigure"):
+        try:
+            sys.stdout.reconfigure(line_buffering=True)
+        except (OSError, ValueError):
+            pass
+    return fd
 
 
 def run(handler: Handler) -> None:

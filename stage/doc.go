@@ -65,7 +65,10 @@
 // worker's queue, so a worker that answers in batches should keep its batches short.
 //
 // On EOF on standard input the worker finishes the ids it has read, answers them and exits 0.
-// Standard error goes to the dispatcher's log, tagged with the stage and the pid. Exiting
+// Standard error goes to the dispatcher's log, tagged with the stage and the pid. Run and
+// RunStages keep the replies on a descriptor of their own and point standard output
+// (descriptor 1, and os.Stdout) at standard error: what a handler prints, or a program it
+// starts without capturing its output, is logged, not taken for a reply. Exiting
 // without answering (a crash, SIGTERM, SIGKILL) is always safe: the dispatcher fails the
 // message at the head of the queue and puts the others back to pending, in both cases only
 // if the row is still the claim it handed out.

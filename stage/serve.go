@@ -37,7 +37,9 @@ const (
 // PEPSI_NEXT (space-separated), PEPSI_FUSE, PEPSI_DSN, PEPSI_MAX_CHILDREN and PEPSI_MIN_SPAN
 // from the environment (LoadConfig), sets runtime.GOMAXPROCS(1) unless the environment sets
 // GOMAXPROCS (see the package documentation), connects once
-// and serves os.Stdin/os.Stdout until EOF with h as the handler of PEPSI_STAGE; it exits the
+// and serves os.Stdin/os.Stdout until EOF with h as the handler of PEPSI_STAGE (os.Stdout, and
+// descriptor 1, then write to standard error: a handler's prints reach the dispatcher's log,
+// not the replies); it exits the
 // process (0 after EOF, non-zero on a fatal error such as a lost database connection, with the
 // reason on stderr). A program with one handler runs no fused stage: see RunStages.
 //
@@ -48,7 +50,7 @@ const (
 // are guarded too and leave a moved row alone).
 func Run(h Handler) {
 	oneProc(os.Getenv)
-	os.Exit(run(context.Background(), os.Args[1:], os.Getenv, os.Stdin, os.Stdout, os.Stderr, nil, h))
+	os.Exit(run(context.Background(), os.Args[1:], os.Getenv, os.Stdin, replyOutput(), os.Stderr, nil, h))
 }
 
 // oneProc runs the worker process on one processor (runtime.GOMAXPROCS(1)) unless its
@@ -72,7 +74,7 @@ func oneProc(getenv func(string) string) {
 // stages: the dispatcher starts it with the PEPSI_STAGE of each pool.
 func RunStages(handlers map[string]Handler) {
 	oneProc(os.Getenv)
-	os.Exit(run(context.Background(), os.Args[1:], os.Getenv, os.Stdin, os.Stdout, os.Stderr, handlers, nil))
+	os.Exit(run(context.Background(), os.Args[1:], os.Getenv, os.Stdin, replyOutput(), os.Stderr, handlers, nil))
 }
 
 // run is Run (h set) and RunStages (handlers set) with their dependencies passed in; it

@@ -18,10 +18,12 @@ the SDK's transaction: fatal), state (set state keys), dup (violate a unique ind
 then done: the outcome must fail), dup_at_commit (insert a row that a deferred unique constraint
 refuses at the batch's COMMIT, then the default), hold (the first attempt writes its own row, sets
 client_connection_check_interval for its transaction, then waits in a statement that does not
-end: MAX_RUNTIME kills the worker; then as the default).
+end: MAX_RUNTIME kills the worker; then as the default), print (print a line, run a program
+that writes one to its standard output, write one to descriptor 1; then as the default).
 """
 
 import os
+import subprocess
 import sys
 import time
 
@@ -65,6 +67,10 @@ def handle(m: Message) -> None:
         m.execute("SELECT pg_terminate_backend(pg_backend_pid())")
     if do == "exit":
         os._exit(3)
+    if do == "print":
+        print("debug: a handler's print")
+        subprocess.run(["sh", "-c", "echo debug: a child of the handler"], check=True)
+        os.write(1, b"debug: written to descriptor 1\n")
     if do == "hold" and m.attempts == 0:
         m.execute("UPDATE workqueue SET state = state || '{\"progress\": 1}' WHERE workqueue_id = %s", (m.id,))
         m.execute("SET LOCAL client_connection_check_interval = '1s'")

@@ -258,6 +258,24 @@ def test_eof(schema: Schema, worker_factory) -> None:
     assert [i for i, _ in runs(schema)] == ids
 
 
+def test_handler_output_to_stderr(schema: Schema, worker_factory) -> None:
+    """What a handler writes to standard output (a print, a program it runs without capturing
+    its output, a write to descriptor 1) goes to standard error, which the dispatcher logs,
+    promptly and line by line; on the reply pipe it was a line that is no reply, for which the
+    dispatcher kills the worker."""
+    ids = schema.enqueue("a", [{"do": "print"}, {}])
+    schema.claim("a", ids)
+    w = start(schema, worker_factory)
+    w.send(ids)
+    assert w.replies(2) == ["0", "0"]
+    want = (b"debug: a handler's print\n", b"debug: a child of the handler\n", b"debug: written to descriptor 1\n")
+    # Before the worker exits: not held in a buffer until then.
+    wait_for(f"the three lines on standard error (so far {w.stderr!r})", lambda: all(x in w.stderr for x in want), 30)
+    assert w.close() == 0
+    assert w.buf + w.proc.stdout.read() == b""
+    assert [i for i, _ in runs(schema)] == ids
+
+
 def test_bad_lines(schema: Schema, worker_factory) -> None:
     """Lines that are no id get "bad message id" and the worker goes on: thousands of digits
     (int() refuses past 4,300: the worker died of it), a sign, a Unicode digit, an id past
