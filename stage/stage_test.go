@@ -39,7 +39,7 @@ func TestMain(m *testing.M) {
 		Run(func(ctx context.Context, m *Message) error {
 			m.State["by"] = "run"
 			m.State["procs"] = runtime.GOMAXPROCS(0)
-			if strings.Contains(string(m.Payload), "print") { // TestHandlerOutputToStderr
+			if strings.Contains(string(m.Payload), "print") { // TestRunProcess
 				fmt.Println("debug: a handler's print")
 				child := exec.Command("sh", "-c", "echo debug: a child of the handler")
 				child.Stdout = os.Stdout
@@ -858,44 +858,13 @@ func TestLoadConfig(t *testing.T) {
 }
 
 // Run as a real process: the test binary is the stage program (see TestMain).
-// TestHandlerOutputToStderr: what a handler writes to standard output (a debugging print, a
-// program it runs without capturing) goes to standard error, which the dispatcher logs, and
-// not into the replies, where the dispatcher would take it for a protocol error and kill the
-// worker with its messages.
-func TestHandlerOutputToStderr(t *testing.T) {
-	sch := newSchema(t)
-	a, b := sch.put(t, "a", "running", `{"print": true}`), sch.put(t, "a", "running", `{}`)
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(exe, "worker")
-	cmd.Env = append(os.Environ(), "PEPSI_SDK_TEST_RUN=1", "PEPSI_STAGE=a", "PEPSI_NEXT=b", "PEPSI_DSN="+sch.dsn)
-	cmd.Stdin = strings.NewReader(fmt.Sprintf("%d\n%d\n", a, b))
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("stage program: %v\n%s", err, stderr.Bytes())
-	}
-	if string(out) != "0\n0\n" {
-		t.Errorf("stdout %q, want the two replies alone", out)
-	}
-	for _, w := range []string{"debug: a handler's print\n", "debug: a child of the handler\n"} {
-		if !strings.Contains(stderr.String(), w) {
-			t.Errorf("stderr %q lacks %q", stderr.String(), w)
-		}
-	}
-	for _, id := range []int64{a, b} {
-		if stage, _, _ := sch.rowOf(t, id); stage != "b" {
-			t.Errorf("row %d at stage %s, want b", id, stage)
-		}
-	}
-}
-
+// TestRunProcess: Run as a process's main. What a handler writes to standard output (a
+// debugging print, a program it runs without capturing its output: row a's) goes to
+// standard error, which the dispatcher logs, and not into the replies, where the dispatcher
+// would take it for a protocol error and kill the worker with its messages.
 func TestRunProcess(t *testing.T) {
 	sch := newSchema(t)
-	a, b := sch.put(t, "a", "running", `{}`), sch.put(t, "a", "running", `{}`)
+	a, b := sch.put(t, "a", "running", `{"print": true}`), sch.put(t, "a", "running", `{}`)
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
@@ -919,7 +888,12 @@ func TestRunProcess(t *testing.T) {
 		t.Fatalf("stage program: %v\n%s", err, stderr.Bytes())
 	}
 	if string(out) != "0\n0\n" {
-		t.Errorf("stdout %q, want two successes", out)
+		t.Errorf("stdout %q, want two successes alone", out)
+	}
+	for _, w := range []string{"debug: a handler's print\n", "debug: a child of the handler\n"} {
+		if !strings.Contains(stderr.String(), w) {
+			t.Errorf("stderr %q lacks %q", stderr.String(), w)
+		}
 	}
 	for _, id := range []int64{a, b} {
 		if stage, _, state := sch.rowOf(t, id); stage != "b" || !strings.Contains(state, `"by": "run"`) ||
