@@ -1203,7 +1203,8 @@ def run_stages(handlers: Mapping[str, Handler]) -> None:
                          f"(it implements {sorted(handlers)!r})\n")
         sys.exit(2)
     try:
-        serve(cfg, handlers, stdout_fd=_reply_fd())
+        stdin_fd, stdout_fd = _protocol_fds()
+        serve(cfg, handlers, stdin_fd, stdout_fd)
     except (ConnectionLost, OSError) as e:
         # One line: the dispatcher logs a worker's standard error line by line, and libpq's
         # messages end in a newline (a line per host when it tried several).
@@ -1212,31 +1213,48 @@ def run_stages(handlers: Mapping[str, Handler]) -> None:
     sys.exit(0)
 
 
-def _reply_fd() -> int:
-    """Move the replies off file descriptor 1 before the first handler runs: return a copy of
-    standard output for them (not inherited by a handler's children) and point descriptor 1 at
-    standard error, line-buffered. What a handler prints, or a program it runs without
-    capturing its output, then reaches the dispatcher's log as its stderr lines; on the reply
-    pipe it was a line that is no reply, a protocol error for which the dispatcher kills the
-    worker, failing its message in flight and putting back the others (pepsi-worker(7)). If a
-    step fails, the replies stay on descriptor 1."""
+def _move_fd(fd: int, target: Optional[str]) -> Optional[int]:
+    """Copy descriptor fd to a new one (not inherited by children) and return it, pointing fd
+    at the file named, or at standard error for None; None if a step fails."""
     try:
-        fd = os.dup(1)  # non-inheritable
+        cp = os.dup(fd)  # non-inheritable
     except OSError:
-        return 1
+        return None
     try:
-        os.dup2(2, 1)
+        if target is None:
+            os.dup2(2, fd)
+        else:
+            src = os.open(target, os.O_RDONLY)
+            try:
+                os.dup2(src, fd)
+            finally:
+                os.close(src)
     except OSError:
-        os.close(fd)
-        return 1
+        os.close(cp)
+        return None
+    return cp
+
+
+def _protocol_fds() -> Tuple[int, int]:
+    """Move the protocol off file descriptors 0 and 1 before the first handler runs: return
+    copies of standard input and output for the ids and the replies (not inherited by a
+    handler's children); descriptor 0 then reads /dev/null and descriptor 1 writes to standard
+    error, line-buffered. What a handler prints, or a program it runs without capturing its
+    output, reaches the dispatcher's log as its stderr lines: on the reply pipe it was a line
+    that is no reply, a protocol error for which the dispatcher kills the worker, failing its
+    message in flight (pepsi-worker(7)). A program that reads its standard input (ssh, ffmpeg
+    without -nostdin) finds it at its end: on the id pipe it took the ids written while it
+    ran, which were then never answered. Where a step fails, that half stays where it was."""
+    in_fd = _move_fd(0, os.devnull)
+    out_fd = _move_fd(1, None)
     # sys.stdout still writes to descriptor 1, now standard error; what it holds, printed
     # before (at import), goes there too. A line at a time, as the dispatcher logs them.
-    if hasattr(sys.stdout, "reconfigure"):
+    if out_fd is not None and hasattr(sys.stdout, "reconfigure"):
         try:
             sys.stdout.reconfigure(line_buffering=True)
         except (OSError, ValueError):
             pass
-    return fd
+    return (0 if in_fd is None else in_fd), (1 if out_fd is None else out_fd)
 
 
 def run(handler: Handler) -> None:

@@ -66,9 +66,10 @@
 //
 // On EOF on standard input the worker finishes the ids it has read, answers them and exits 0.
 // Standard error goes to the dispatcher's log, tagged with the stage and the pid. Run and
-// RunStages keep the replies on a descriptor of their own and point standard output
-// (descriptor 1, and os.Stdout) at standard error: what a handler prints, or a program it
-// starts without capturing its output, is logged, not taken for a reply. Exiting
+// RunStages keep the ids and the replies on descriptors of their own, point standard output
+// (descriptor 1, and os.Stdout) at standard error and standard input at /dev/null: what a
+// handler prints, or a program it starts without capturing its output, is logged, not taken
+// for a reply, and a program that reads its standard input (ssh, ffmpeg) takes no id. Exiting
 // without answering (a crash, SIGTERM, SIGKILL) is always safe: the dispatcher fails the
 // message at the head of the queue and puts the others back to pending, in both cases only
 // if the row is still the claim it handed out.

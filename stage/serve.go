@@ -37,11 +37,13 @@ const (
 // PEPSI_NEXT (space-separated), PEPSI_FUSE, PEPSI_DSN, PEPSI_MAX_CHILDREN and PEPSI_MIN_SPAN
 // from the environment (LoadConfig), sets runtime.GOMAXPROCS(1) unless the environment sets
 // GOMAXPROCS (see the package documentation), connects once
-// and serves os.Stdin/os.Stdout until EOF with h as the handler of PEPSI_STAGE (os.Stdout, and
-// descriptor 1, then write to standard error: a handler's prints reach the dispatcher's log,
-// not the replies); it exits the
+// and serves os.Stdin/os.Stdout until EOF with h as the handler of PEPSI_STAGE; it exits the
 // process (0 after EOF, non-zero on a fatal error such as a lost database connection, with the
 // reason on stderr). A program with one handler runs no fused stage: see RunStages.
+//
+// The ids and replies move to descriptors of their own before the first handler runs: to
+// the handler and the programs it runs, standard input is then /dev/null, and standard output
+// writes to standard error, which the dispatcher logs.
 //
 // Exit statuses: 0 after EOF on stdin, 2 for a usage or environment error, 1 for any other
 // fatal error. Signals keep their default action: SIGTERM or SIGINT end the process at once,
@@ -50,7 +52,8 @@ const (
 // are guarded too and leave a moved row alone).
 func Run(h Handler) {
 	oneProc(os.Getenv)
-	os.Exit(run(context.Background(), os.Args[1:], os.Getenv, os.Stdin, replyOutput(), os.Stderr, nil, h))
+	in, out := protocolFiles()
+	os.Exit(run(context.Background(), os.Args[1:], os.Getenv, in, out, os.Stderr, nil, h))
 }
 
 // oneProc runs the worker process on one processor (runtime.GOMAXPROCS(1)) unless its
@@ -74,7 +77,8 @@ func oneProc(getenv func(string) string) {
 // stages: the dispatcher starts it with the PEPSI_STAGE of each pool.
 func RunStages(handlers map[string]Handler) {
 	oneProc(os.Getenv)
-	os.Exit(run(context.Background(), os.Args[1:], os.Getenv, os.Stdin, replyOutput(), os.Stderr, handlers, nil))
+	in, out := protocolFiles()
+	os.Exit(run(context.Background(), os.Args[1:], os.Getenv, in, out, os.Stderr, handlers, nil))
 }
 
 // run is Run (h set) and RunStages (handlers set) with their dependencies passed in; it

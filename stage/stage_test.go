@@ -39,6 +39,13 @@ func TestMain(m *testing.M) {
 		Run(func(ctx context.Context, m *Message) error {
 			m.State["by"] = "run"
 			m.State["procs"] = runtime.GOMAXPROCS(0)
+			if strings.Contains(string(m.Payload), "stdin") { // TestRunProcess
+				child := exec.Command("sh", "-c", `echo child reading >&2; read line; echo "child read: [$line]" >&2`)
+				child.Stdin, child.Stderr = os.Stdin, os.Stderr
+				if err := child.Run(); err != nil {
+					return err
+				}
+			}
 			if strings.Contains(string(m.Payload), "print") { // TestRunProcess
 				fmt.Println("debug: a handler's print")
 				child := exec.Command("sh", "-c", "echo debug: a child of the handler")
@@ -902,6 +909,34 @@ func TestRunProcess(t *testing.T) {
 		}
 	}
 
+	// A program the handler runs that reads its standard input (ssh, ffmpeg without
+	// -nostdin, a shell's read) finds it at its end: the ids written next are the SDK's. It
+	// took the one written while it ran, which was then never answered.
+	d, e := sch.put(t, "a", "running", `{"stdin": true}`), sch.put(t, "a", "running", `{}`)
+	cmd = exec.Command(exe, "worker")
+	cmd.Env = env
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var outs, errs lockedBuffer
+	cmd.Stdout, cmd.Stderr = &outs, &errs
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(in, "%d\n", d)
+	for deadline := time.Now().Add(30 * time.Second); !strings.Contains(errs.String(), "child reading"); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the handler's child did not start: stderr %q", errs.String())
+		}
+	}
+	fmt.Fprintf(in, "%d\n", e)
+	in.Close()
+	if err := cmd.Wait(); err != nil || outs.String() != "0\n0\n" || !strings.Contains(errs.String(), "child read: []") {
+		t.Errorf("a handler's child reading standard input: %v, stdout %q, stderr %q; want both answered, the child reading nothing",
+			err, outs.String(), errs.String())
+	}
+
 	// GOMAXPROCS in the environment wins.
 	c := sch.put(t, "a", "running", `{}`)
 	cmd = exec.Command(exe, "worker")
@@ -1385,4 +1420,22 @@ func TestLoadUnprepared(t *testing.T) {
 	if len(prepared) != 0 {
 		t.Errorf("the worker's session prepared %q on the queue table, want nothing", prepared)
 	}
+}
+
+// lockedBuffer is a bytes.Buffer a process writes while the test reads it.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

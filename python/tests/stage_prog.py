@@ -19,7 +19,8 @@ then done: the outcome must fail), dup_at_commit (insert a row that a deferred u
 refuses at the batch's COMMIT, then the default), hold (the first attempt writes its own row, sets
 client_connection_check_interval for its transaction, then waits in a statement that does not
 end: MAX_RUNTIME kills the worker; then as the default), print (print a line, run a program
-that writes one to its standard output, write one to descriptor 1; then as the default).
+that writes one to its standard output, write one to descriptor 1; then as the default), stdin
+(run a program that reads a line of its standard input; then as the default).
 """
 
 import os
@@ -71,6 +72,9 @@ def handle(m: Message) -> None:
         print("debug: a handler's print")
         subprocess.run(["sh", "-c", "echo debug: a child of the handler"], check=True)
         os.write(1, b"debug: written to descriptor 1\n")
+    if do == "stdin":
+        r = subprocess.run(["sh", "-c", "echo child reading >&2; read line; echo \"child read: [$line]\" >&2"])
+        m.state["child_status"] = r.returncode
     if do == "hold" and m.attempts == 0:
         m.execute("UPDATE workqueue SET state = state || '{\"progress\": 1}' WHERE workqueue_id = %s", (m.id,))
         m.execute("SET LOCAL client_connection_check_interval = '1s'")

@@ -276,6 +276,22 @@ def test_handler_output_to_stderr(schema: Schema, worker_factory) -> None:
     assert [i for i, _ in runs(schema)] == ids
 
 
+def test_handler_child_reads_no_id(schema: Schema, worker_factory) -> None:
+    """A program a handler runs that reads its standard input (ssh, ffmpeg without -nostdin, a
+    shell's read) finds it at its end: the id written while it runs is the SDK's. It took that
+    id, which was then never answered."""
+    ids = schema.enqueue("a", [{"do": "stdin"}, {}])
+    schema.claim("a", ids)
+    w = start(schema, worker_factory)
+    w.send(ids[:1])
+    wait_for("the handler's child started", lambda: b"child reading" in w.stderr, 30)
+    w.send(ids[1:])
+    assert w.replies(2, timeout=30) == ["0", "0"]
+    assert w.close() == 0
+    assert b"child read: []" in w.stderr, w.stderr
+    assert [i for i, _ in runs(schema)] == ids
+
+
 def test_bad_lines(schema: Schema, worker_factory) -> None:
     """Lines that are no id get "bad message id" and the worker goes on: thousands of digits
     (int() refuses past 4,300: the worker died of it), a sign, a Unicode digit, an id past
