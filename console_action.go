@@ -3,8 +3,9 @@
 //
 // Without a credential in pepsi.conf the console is read-only: no action is shown and every
 // action endpoint answers 403. With one, an operator logs in once with it; the browser then
-// holds a cookie derived from it (HMAC, so the credential itself never travels again), and
-// every action form carries a CSRF token derived from the cookie. Actions are POST only, and
+// holds a cookie derived from it (an HMAC of the login's time, so the credential itself never
+// travels again; it expires after consoleSessionLifetime), and every action form carries a
+// CSRF token derived from the cookie. Actions are POST only, and
 // a request whose Origin (or, lacking it, Referer) is not this listener's own is refused. The
 // credential is compared in constant time and is never logged.
 
@@ -20,7 +21,9 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"strconv"
 	"strings"
+	"time"
 )
 
 const consoleCookie = "pepsi_console"
@@ -36,15 +39,48 @@ func (a *consoleAuth) mac(purpose string) string {
 	return hex.EncodeToString(m.Sum(nil))
 }
 
-// sessionValue is the cookie of a logged-in browser.
-func (a *consoleAuth) sessionValue() string { return a.mac("pepsi-console session") }
+// consoleSessionLifetime bounds a login. The cookie is stateless, so logging out can only
+// take it out of the browser: a copy of it (a shared machine's profile, a proxy's log) acted
+// for ever when it was the credential's one fixed HMAC. It now carries its issue time.
+const consoleSessionLifetime = 12 * time.Hour
 
-func (a *consoleAuth) loggedIn(r *http.Request) bool {
-	ck, err := r.Cookie(consoleCookie)
-	return err == nil && subtle.ConstantTimeCompare([]byte(ck.Value), []byte(a.sessionValue())) == 1
+// sessionValue is the cookie of a browser logged in at issued: the issue time in Unix
+// seconds and its HMAC under the credential.
+func (a *consoleAuth) sessionValue(issued time.Time) string {
+	at := strconv.FormatInt(issued.Unix(), 10)
+	return at + "." + a.mac("pepsi-console session "+at)
 }
 
-func (a *consoleAuth) csrfToken(*http.Request) string { return a.mac("pepsi-console csrf") }
+// session returns the request's cookie if it is a session of this credential issued less
+// than consoleSessionLifetime ago (and not more than a minute ahead: a clock set back).
+func (a *consoleAuth) session(r *http.Request) (string, bool) {
+	ck, err := r.Cookie(consoleCookie)
+	if err != nil {
+		return "", false
+	}
+	at, mac, ok := strings.Cut(ck.Value, ".")
+	if !ok || subtle.ConstantTimeCompare([]byte(mac), []byte(a.mac("pepsi-console session "+at))) != 1 {
+		return "", false
+	}
+	sec, err := strconv.ParseInt(at, 10, 64)
+	if err != nil {
+		return "", false
+	}
+	age := time.Since(time.Unix(sec, 0))
+	return ck.Value, age > -time.Minute && age < consoleSessionLifetime
+}
+
+func (a *consoleAuth) loggedIn(r *http.Request) bool {
+	_, ok := a.session(r)
+	return ok
+}
+
+// csrfToken is the session's own: a token copied from a page acts only with its cookie, and
+// expires with it.
+func (a *consoleAuth) csrfToken(r *http.Request) string {
+	v, _ := a.session(r)
+	return a.mac("pepsi-console csrf " + v)
+}
 
 func (a *consoleAuth) csrfOK(r *http.Request) bool {
 	return subtle.ConstantTimeCompare([]byte(r.PostFormValue("csrf")), []byte(a.csrfToken(r))) == 1
@@ -96,8 +132,8 @@ func (c *console) login(w http.ResponseWriter, r *http.Request) {
 	// No Path: the browser scopes the cookie to the directory of the login's address, the
 	// console's root, with or without a proxy's prefix (consoleRoot), so that it is not sent
 	// to the other applications, or another console, behind the same proxy.
-	http.SetCookie(w, &http.Cookie{Name: consoleCookie, Value: c.auth.sessionValue(),
-		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil || r.Header.Get("X-Forwarded-Proto") == "https"})
+	http.SetCookie(w, &http.Cookie{Name: consoleCookie, Value: c.auth.sessionValue(time.Now()),
+		MaxAge: int(consoleSessionLifetime.Seconds()), HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil || r.Header.Get("X-Forwarded-Proto") == "https"})
 	c.log.Info("console: operator logged in", "remote", r.RemoteAddr)
 	seeOther(w, "./")
 }

@@ -119,6 +119,26 @@ func (h *consoleHarness) post(t *testing.T, cl *http.Client, path, origin string
 	return resp.StatusCode, string(b)
 }
 
+// login logs cl in through the login form and returns the CSRF token of its session.
+func (h *consoleHarness) login(t *testing.T, cl *http.Client) string {
+	t.Helper()
+	if code, _ := h.post(t, cl, "/login", h.srv.URL, url.Values{"token": {testConsoleToken}}); code != 200 {
+		t.Fatalf("login: %d, want 200 after the redirect", code)
+	}
+	return h.csrf(t, cl)
+}
+
+// csrf returns the CSRF token of cl's session, from the search page's forms.
+func (h *consoleHarness) csrf(t *testing.T, cl *http.Client) string {
+	t.Helper()
+	_, body := h.get(t, cl, "/search")
+	m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindStringSubmatch(body)
+	if m == nil || !strings.Contains(body, `action="./action"`) {
+		t.Fatal("logged in, the search page shows no action form with a CSRF token")
+	}
+	return m[1]
+}
+
 const hostilePayload = `{"text": "<script>alert('x')</script>", "html": "\"><img src=x onerror=alert(1)>"}`
 
 func TestConsolePages(t *testing.T) {
@@ -483,21 +503,14 @@ func TestConsoleWriteRefusals(t *testing.T) {
 		if code, _ := h.post(t, cl, "/login", "http://evil.example", url.Values{"token": {testConsoleToken}}); code != 403 {
 			t.Fatalf("login from another origin: %d, want 403", code)
 		}
-		if code, _ := h.post(t, cl, "/login", h.srv.URL, url.Values{"token": {testConsoleToken}}); code != 200 {
-			t.Fatalf("login: %d, want 200 after the redirect", code)
-		}
-		_, body := h.get(t, cl, "/search")
-		m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindStringSubmatch(body)
-		if m == nil || !strings.Contains(body, `action="./action"`) {
-			t.Fatalf("logged in, the search page shows no action form with a CSRF token")
-		}
+		csrf := h.login(t, cl)
 		for _, tc := range []struct {
 			name, origin, csrf string
 		}{
 			{"no CSRF token", h.srv.URL, ""},
-			{"stale CSRF token", h.srv.URL, strings.Repeat("0", len(m[1]))},
-			{"other origin", "http://evil.example", m[1]},
-			{"no origin", "", m[1]},
+			{"stale CSRF token", h.srv.URL, strings.Repeat("0", len(csrf))},
+			{"other origin", "http://evil.example", csrf},
+			{"no origin", "", csrf},
 		} {
 			code, _ := h.post(t, cl, "/action", tc.origin, url.Values{"action": {"retry"}, "id": {"1"}, "csrf": {tc.csrf}})
 			if code != 403 {
@@ -516,7 +529,7 @@ func TestConsoleWriteRefusals(t *testing.T) {
 			{url.Values{"action": {"explode"}}, "unknown action"},
 			{url.Values{"action": {"retry"}, "id": {"x"}}, "not a message id"},
 		} {
-			tc.form.Set("csrf", m[1])
+			tc.form.Set("csrf", csrf)
 			if code, body := h.post(t, cl, "/action", h.srv.URL, tc.form); code != 400 || !strings.Contains(body, tc.want) {
 				t.Errorf("POST /action %v: %d %q, want 400 naming %q", tc.form, code, body, tc.want)
 			}
@@ -524,12 +537,93 @@ func TestConsoleWriteRefusals(t *testing.T) {
 		// A back field that is no path of the console's, or no URL at all, leads to the
 		// overview (one that did not parse panicked the handler after the action had run).
 		for _, back := range []string{"/%zz", "//evil.example/", "http://evil.example/", ""} {
-			code, body := h.post(t, cl, "/action", h.srv.URL, url.Values{"action": {"pause"}, "stage": {"parse"}, "csrf": {m[1]}, "back": {back}})
+			code, body := h.post(t, cl, "/action", h.srv.URL, url.Values{"action": {"pause"}, "stage": {"parse"}, "csrf": {csrf}, "back": {back}})
 			if code != 200 || !strings.Contains(body, `id="stage-parse"`) || !strings.Contains(body, `id="flash"`) {
 				t.Errorf("POST /action with back %q: %d, want the overview with the action's result", back, code)
 			}
 		}
 	})
+}
+
+// TestConsoleSessionExpires: the login cookie is stateless (logging out can only take it out
+// of the browser), so it carries its issue time under the credential's HMAC and expires: a
+// copy of it, or of a page's CSRF token, does not act for ever. A session's CSRF token is
+// its own.
+func TestConsoleSessionExpires(t *testing.T) {
+	h := newConsoleHarness(t, testConsoleToken)
+	h.s.exec(t, `INSERT INTO workqueue (stage, payload) VALUES ('parse', '{}')`)
+	pause := func(cl *http.Client, csrf string) int {
+		code, _ := h.post(t, cl, "/action", h.srv.URL, url.Values{"action": {"pause"}, "stage": {"parse"}, "csrf": {csrf}})
+		return code
+	}
+	jar, _ := cookiejar.New(nil)
+	cl := &http.Client{Jar: jar}
+	csrf := h.login(t, cl)
+	if code := pause(cl, csrf); code != 200 {
+		t.Fatalf("an action in a fresh session: %d, want 200", code)
+	}
+	u, _ := url.Parse(h.srv.URL)
+	cookie := cl.Jar.Cookies(u)[0]
+	if cookie.Value == h.c.auth.mac("pepsi-console session") {
+		t.Errorf("the login cookie is the credential's one fixed value: it never expires")
+	}
+
+	// The same cookie, its issue time moved back past the lifetime (the HMAC made again, as
+	// only the daemon can): refused, and its pages offer no action.
+	old := time.Now().Add(-consoleSessionLifetime - time.Minute)
+	for _, value := range []string{h.c.auth.sessionValue(old), h.c.auth.mac("pepsi-console session"), "x.y", ""} {
+		jar, _ := cookiejar.New(nil)
+		jar.SetCookies(u, []*http.Cookie{{Name: consoleCookie, Value: value}})
+		stale := &http.Client{Jar: jar}
+		if code := pause(stale, csrf); code != 403 {
+			t.Errorf("an action with the cookie %q: %d, want 403", value, code)
+		}
+		if _, body := h.get(t, stale, "/search"); strings.Contains(body, `name="csrf"`) {
+			t.Errorf("with the cookie %q, the search page offers actions", value)
+		}
+	}
+	// A cookie whose time was changed without the HMAC: refused.
+	_, mac, _ := strings.Cut(h.c.auth.sessionValue(old), ".")
+	jar, _ = cookiejar.New(nil)
+	jar.SetCookies(u, []*http.Cookie{{Name: consoleCookie, Value: strconv.FormatInt(time.Now().Unix(), 10) + "." + mac}})
+	if code := pause(&http.Client{Jar: jar}, csrf); code != 403 {
+		t.Errorf("an action with a cookie whose time was changed: %d, want 403", code)
+	}
+	// Another session (issued an hour ago, still valid): the first's CSRF token does not act
+	// in it, its own does.
+	jar, _ = cookiejar.New(nil)
+	jar.SetCookies(u, []*http.Cookie{{Name: consoleCookie, Value: h.c.auth.sessionValue(time.Now().Add(-time.Hour))}})
+	cl2 := &http.Client{Jar: jar}
+	csrf2 := h.csrf(t, cl2)
+	if code := pause(cl2, csrf); code != 403 {
+		t.Errorf("an action with another session's CSRF token: %d, want 403", code)
+	}
+	if code := pause(cl2, csrf2); code != 200 {
+		t.Errorf("an action in the second session: %d, want 200", code)
+	}
+	if ma := cookieMaxAge(t, h); ma <= 0 || ma > int(consoleSessionLifetime.Seconds()) {
+		t.Errorf("the login cookie's Max-Age is %d, want the session's lifetime at most", ma)
+	}
+}
+
+// cookieMaxAge logs in once more and returns the Max-Age of the cookie the login sets.
+func cookieMaxAge(t *testing.T, h *consoleHarness) int {
+	t.Helper()
+	req, _ := http.NewRequest("POST", h.srv.URL+"/login", strings.NewReader(url.Values{"token": {testConsoleToken}}.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.Header.Set("Origin", h.srv.URL)
+	resp, err := http.DefaultTransport.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	for _, c := range resp.Cookies() {
+		if c.Name == consoleCookie {
+			return c.MaxAge
+		}
+	}
+	t.Fatal("the login set no cookie")
+	return 0
 }
 
 // TestConsoleTokenFile: each mistake in CONSOLE_TOKEN_FILE is a configuration error at the
@@ -628,14 +722,7 @@ func TestConsoleCountsShared(t *testing.T) {
 	}
 	waitFor(t, 10*time.Second, "the overview counting the 2 new rows", func() bool { return pending() == "5" })
 
-	if code, _ := h.post(t, cl, "/login", h.srv.URL, url.Values{"token": {testConsoleToken}}); code != 200 {
-		t.Fatalf("login: %d", code)
-	}
-	_, body := h.get(t, cl, "/search")
-	m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindStringSubmatch(body)
-	if m == nil {
-		t.Fatal("logged in, the search page has no CSRF token")
-	}
+	csrf := h.login(t, cl)
 	var id int64
 	if err := h.s.DB.QueryRow(`SELECT min(workqueue_id) FROM workqueue`).Scan(&id); err != nil {
 		t.Fatal(err)
@@ -643,7 +730,7 @@ func TestConsoleCountsShared(t *testing.T) {
 	pending() // a fresh count, so that only the action can make the next load count again
 	before := time.Now()
 	if code, body := h.post(t, cl, "/action", h.srv.URL, url.Values{"action": {"hold"}, "id": {fmt.Sprint(id)},
-		"csrf": {m[1]}, "back": {"/"}}); code != 200 {
+		"csrf": {csrf}, "back": {"/"}}); code != 200 {
 		t.Fatalf("hold: %d\n%s", code, body)
 	}
 	if got := pending(); got != "4" {
