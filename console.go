@@ -57,6 +57,8 @@ type console struct {
 	version string
 	tmpl    *template.Template
 	auth    *consoleAuth // nil: read-only, no action shown, action endpoints answer 403
+
+	groupBudget time.Duration // consoleGroupBudget; a test's shorter one
 }
 
 func newConsole(pool func() *sql.DB, snap func() *metricsSnapshot, auth *consoleAuth, log *slog.Logger, version string) (*console, error) {
@@ -80,7 +82,7 @@ func newConsole(pool func() *sql.DB, snap func() *metricsSnapshot, auth *console
 		return nil, fmt.Errorf("parse console templates: %w", err)
 	}
 	return &console{pool: pool, snap: snap, log: log, version: version, tmpl: t, auth: auth,
-		samples: newSampler(snap, pool, log)}, nil
+		samples: newSampler(snap, pool, log), groupBudget: consoleGroupBudget}, nil
 }
 
 // withConsoleHeaders gives every response of the listener the console's security headers,

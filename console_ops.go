@@ -9,6 +9,7 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -24,8 +25,24 @@ const consoleActor = "console"
 
 // consoleBatch is how many rows one action statement changes at most when a whole group is
 // acted on: each batch is its own short transaction (as pepsi-queue's), so the claim is never
-// stalled behind a long one.
+// stalled behind a long one. An action on a group of more than consoleBatch rows asks first,
+// as pepsi-queue asks above 1,000 without --yes.
 const consoleBatch = 1000
+
+// consoleGroupBudget is how long an action on a group goes on starting batches: a group of a
+// million rows (an outage failed them all) takes longer than a request should, or than a
+// proxy waits (nginx: 60 s). It stops between two batches, each committed, and says how far
+// it got; acting again goes on. Its deadline, 10 × consoleStatementTimeout, cut it with a 500.
+const consoleGroupBudget = 20 * time.Second
+
+// groupConfirmation is the page that asks before an action on a large group: an action not
+// taken, rendered by runAction instead of its redirect.
+type groupConfirmation struct {
+	Action, Signature, Back string
+	Counted                 int64 // the count the failures page showed, 0 when none came
+}
+
+func (*groupConfirmation) Error() string { return "not confirmed" }
 
 // failureGroup is one line of the failures page.
 type failureGroup struct {
@@ -101,6 +118,13 @@ func (c *console) runAction(w http.ResponseWriter, r *http.Request) {
 		refuse(w, http.StatusBadRequest, fmt.Sprintf("unknown action %q", action))
 		return
 	}
+	var confirm *groupConfirmation
+	if errors.As(err, &confirm) {
+		consoleHeaders(w)
+		c.render(w, "confirm", pageData{Title: "Confirm", Nav: "failures", Version: c.version, Root: "./",
+			Auth: true, CanAct: true, CSRF: c.auth.csrfToken(r), Body: confirm})
+		return
+	}
 	if err != nil {
 		var he *httpError
 		if ok := asHTTPError(err, &he); ok {
@@ -136,6 +160,17 @@ func asHTTPError(err error, he **httpError) bool {
 func (c *console) actOnRows(ctx context.Context, action string, r *http.Request) (string, error) {
 	if sig := r.PostFormValue("signature"); sig != "" {
 		filter, _ := json.Marshal(map[string]string{"signature": sig})
+		if r.PostFormValue("confirm") != "yes" {
+			var more bool
+			if err := c.pool().QueryRowContext(ctx, `SELECT count(*) > $2 FROM queue_select($1::jsonb, 0, $2 + 1)`,
+				string(filter), consoleBatch).Scan(&more); err != nil {
+				return "", fmt.Errorf("count the rows of %s: %w", filter, err)
+			}
+			if more {
+				counted, _ := strconv.ParseInt(r.PostFormValue("count"), 10, 64)
+				return "", &groupConfirmation{Action: action, Signature: sig, Back: r.PostFormValue("back"), Counted: counted}
+			}
+		}
 		return c.actOnFilter(ctx, action, string(filter))
 	}
 	var ids []int64
@@ -156,12 +191,14 @@ func (c *console) actOnRows(ctx context.Context, action string, r *http.Request)
 	return actionSummary(action, ok, refused, why), nil
 }
 
-// actOnFilter acts on every row a filter selects, consoleBatch ids per statement.
+// actOnFilter acts on every row a filter selects, consoleBatch ids per statement, until
+// c.groupBudget is spent.
 func (c *console) actOnFilter(ctx context.Context, action, filter string) (string, error) {
 	var ok, refused int
 	var why string
 	after := int64(0)
-	for {
+	start := time.Now()
+	for batches := 0; ; batches++ {
 		var ids []int64
 		rows, err := c.pool().QueryContext(ctx, `SELECT queue_select($1::jsonb, $2, $3)`, filter, after, consoleBatch)
 		if err != nil {
@@ -181,6 +218,10 @@ func (c *console) actOnFilter(ctx context.Context, action, filter string) (strin
 		}
 		if len(ids) == 0 {
 			break
+		}
+		if batches > 0 && time.Since(start) > c.groupBudget {
+			return actionSummary(action, ok, refused, why) +
+				fmt.Sprintf("; stopped after %s with more left: act again to go on", time.Since(start).Round(time.Second)), nil
 		}
 		n, m, w, err := c.act(ctx, action, ids, filter)
 		if err != nil {

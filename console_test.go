@@ -545,6 +545,75 @@ func TestConsoleWriteRefusals(t *testing.T) {
 	})
 }
 
+// TestConsoleGroupActionConfirmed: an action on a failure group of more than 1,000 messages
+// asks first, as pepsi-queue does without --yes (one click acted on the whole group, whatever
+// its size), and a group too large to finish within the request's budget stops between two
+// batches and says how far it got, where its deadline cut it with a 500.
+func TestConsoleGroupActionConfirmed(t *testing.T) {
+	h := newConsoleHarness(t, testConsoleToken)
+	h.s.exec(t, `INSERT INTO workqueue (stage, status, attempts, payload, state)
+	             SELECT 'deliver', 'failed', 5, '{}', '{"dispatch_error": "relay down"}' FROM generate_series(1, 2500)`)
+	h.s.exec(t, `INSERT INTO workqueue (stage, status, attempts, payload, state)
+	             SELECT 'parse', 'failed', 5, '{}', '{"dispatch_error": "bad input"}' FROM generate_series(1, 10)`)
+	jar, _ := cookiejar.New(nil)
+	cl := &http.Client{Jar: jar}
+	csrf := h.login(t, cl)
+	var big, small string
+	if err := h.s.DB.QueryRow(`SELECT max(signature) FILTER (WHERE count = 2500), max(signature) FILTER (WHERE count = 10)
+	                             FROM queue_errors('{}')`).Scan(&big, &small); err != nil {
+		t.Fatal(err)
+	}
+	failed := func(stage string) int {
+		return h.s.count(t, `SELECT count(*) FROM workqueue WHERE status = 'failed' AND stage = $1`, stage)
+	}
+	// The failures page's forms carry the count it showed.
+	if _, body := h.get(t, cl, "/failures"); !strings.Contains(body, `name="count" value="2500"`) {
+		t.Errorf("the failures page's form for the group of 2,500 does not carry its count")
+	}
+
+	// Not confirmed: a page that asks, nothing changed.
+	code, body := h.post(t, cl, "/action", h.srv.URL, url.Values{"action": {"delete"}, "signature": {big},
+		"count": {"2500"}, "back": {"/failures"}, "csrf": {csrf}})
+	if code != 200 || !strings.Contains(body, "more than 1,000 messages") || !strings.Contains(body, "2500 when the failures page counted them") ||
+		!strings.Contains(body, `name="confirm" value="yes"`) {
+		t.Fatalf("delete all of 2,500 without confirming: %d, want a page asking first\n%s", code, body)
+	}
+	if n := failed("deliver"); n != 2500 {
+		t.Fatalf("%d of 2,500 left after an action not confirmed", n)
+	}
+	// The page's own form, submitted (its action and fields as the browser sends them).
+	form := url.Values{}
+	for _, m := range regexp.MustCompile(`<input type="hidden" name="([a-z]+)" value="([^"]*)">`).FindAllStringSubmatch(body, -1) {
+		form.Set(m[1], html.UnescapeString(m[2]))
+	}
+	if form.Get("action") != "delete" || form.Get("signature") != big || form.Get("csrf") != csrf {
+		t.Fatalf("the confirmation's form carries %v", form)
+	}
+	form.Set("action", "retry") // retry, not delete, so that the rows stay countable
+	// A budget spent after the first batch: it stops there and says so.
+	h.c.groupBudget = time.Nanosecond
+	code, body = h.post(t, cl, "/action", h.srv.URL, form)
+	if code != 200 || !strings.Contains(body, "retry: 1000 changed") || !strings.Contains(body, "more left: act again to go on") {
+		t.Errorf("a confirmed retry past its budget: %d, want the first batch's result and what is left\n%s", code, body)
+	}
+	if n := failed("deliver"); n != 1500 {
+		t.Errorf("%d of 2,500 left failed after one batch, want 1,500", n)
+	}
+	h.c.groupBudget = consoleGroupBudget
+	if code, body = h.post(t, cl, "/action", h.srv.URL, form); code != 200 || !strings.Contains(body, "retry: 1500 changed") ||
+		strings.Contains(body, "more left") {
+		t.Errorf("the confirmed retry again: %d, want the other 1,500\n%s", code, body)
+	}
+	if n := failed("deliver"); n != 0 {
+		t.Errorf("%d left failed after both", n)
+	}
+	// A group of 1,000 or fewer acts at once.
+	if code, body = h.post(t, cl, "/action", h.srv.URL, url.Values{"action": {"retry"}, "signature": {small},
+		"back": {"/failures"}, "csrf": {csrf}}); code != 200 || !strings.Contains(body, "retry: 10 changed") {
+		t.Errorf("retry all of 10: %d, want it done at once\n%s", code, body)
+	}
+}
+
 // TestConsoleSessionExpires: the login cookie is stateless (logging out can only take it out
 // of the browser), so it carries its issue time under the credential's HMAC and expires: a
 // copy of it, or of a page's CSRF token, does not act for ever. A session's CSRF token is
