@@ -251,6 +251,13 @@ func printMessage(w io.Writer, msg []byte) error {
 				s = str
 			}
 		}
+		// The row's times in UTC, as the tables give theirs: PostgreSQL's JSON text is in
+		// the session's TimeZone, the server's (+13:45 under Pacific/Chatham).
+		if strings.HasSuffix(k, "_at") {
+			if at, err := time.Parse(time.RFC3339Nano, s); err == nil {
+				s = at.UTC().Format("2006-01-02 15:04:05.999999Z")
+			}
+		}
 		fmt.Fprintf(w, "%-16s %s\n", k+":", printable.String(s))
 	}
 	fmt.Fprintln(w)

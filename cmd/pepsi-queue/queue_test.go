@@ -17,6 +17,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/lib/pq"
 
@@ -583,6 +584,29 @@ func TestCancelledChildCountsAsFailed(t *testing.T) {
 // TestOlderSchemaRefused: on a schema older than this pepsi-queue (a binary upgraded without
 // re-applying schema.sql) every command failed on its own missing function or column; now
 // the first thing said is that the schema is older, and how to apply it (exit 1).
+// TestShowTimesInUTC: show gives a message's times in UTC, as list and errors give theirs
+// (and the console): it printed PostgreSQL's JSON text, in the session's TimeZone, the
+// server's (2026-12-08T02:32:33.25654+13:45 under Pacific/Chatham).
+func TestShowTimesInUTC(t *testing.T) {
+	s := newQSchema(t)
+	id := s.insert(t, "a", "running", "")
+	var created, claimed time.Time
+	if err := s.db.QueryRow(`SELECT created_at, claimed_at FROM workqueue WHERE workqueue_id = $1`, id).Scan(&created, &claimed); err != nil {
+		t.Fatal(err)
+	}
+	far := strings.Replace(s.dsn, "options='-c ", "options='-c TimeZone=Pacific/Chatham -c ", 1)
+	r := pqWith(t, far, "", "show", fmt.Sprint(id))
+	if r.code != 0 {
+		t.Fatalf("show: %d %s", r.code, r.stderr)
+	}
+	for key, at := range map[string]time.Time{"created_at": created, "claimed_at": claimed} {
+		want := fmt.Sprintf("%-16s %s\n", key+":", at.UTC().Format("2006-01-02 15:04:05.999999Z"))
+		if !strings.Contains(r.stdout, want) {
+			t.Errorf("show lacks %q:\n%s", want, r.stdout)
+		}
+	}
+}
+
 func TestOlderSchemaRefused(t *testing.T) {
 	s := newQSchema(t)
 	s.exec(t, `CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql AS 'SELECT 0'`)
