@@ -161,6 +161,16 @@ func (c *console) page(f pageFunc) http.HandlerFunc {
 			return
 		}
 		title, nav, body, err := f(r)
+		if err != nil && r.Context().Err() == nil && timedOut(err) {
+			msg := fmt.Sprintf("this page's query did not finish in time (%s, or the role's statement_timeout if "+
+				"shorter): the table is large, or a transaction holds its rows (pg_stat_activity: idle in transaction)",
+				consoleStatementTimeout)
+			if r.URL.Path == "/search" {
+				msg += "; narrow the search with a stage, a status or an id: an error text or a JSON path alone reads every row"
+			}
+			c.log.Warn("console: page timed out", "path", r.URL.Path, "err", err)
+			err = &httpError{http.StatusServiceUnavailable, msg}
+		}
 		if err != nil {
 			code := http.StatusInternalServerError
 			var he *httpError
@@ -495,6 +505,13 @@ func searchSQL(q searchQuery) (string, []any) {
 // search's other values are checked before the query, and none of them can raise those. Read
 // by the SQLSTATE, not the text: a regular expression's error does not say "jsonpath", and a
 // server's lc_messages may word the rest in another language (TestConsolePages).
+// timedOut reports whether a query ended at its statement's deadline: the context's, or the
+// server's cancel that the context sent (57014).
+func timedOut(err error) bool {
+	var pe *pq.Error
+	return errors.Is(err, context.DeadlineExceeded) || (errors.As(err, &pe) && pe.Code == "57014")
+}
+
 func isPathError(err error) bool {
 	var pe *pq.Error
 	return errors.As(err, &pe) && (pe.Code == "42601" || pe.Code.Class() == "22")

@@ -614,6 +614,31 @@ func TestConsoleGroupActionConfirmed(t *testing.T) {
 	}
 }
 
+// TestConsolePageTimeout: a page whose query does not finish within consoleStatementTimeout
+// (a search for an error text over millions of rows; here a transaction holding the table)
+// answers 503 with what happened and what to do, not a 500 with the driver's words.
+func TestConsolePageTimeout(t *testing.T) {
+	h := newConsoleHarness(t, "")
+	h.s.exec(t, `INSERT INTO workqueue (stage, status, state) VALUES ('a', 'failed', '{"dispatch_error": "x"}')`)
+	tx, err := h.s.DB.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	if _, err := tx.Exec(`LOCK TABLE workqueue IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range []string{"/search?error=relay", "/failures", "/message/1"} {
+		code, body := h.get(t, nil, path)
+		if code != http.StatusServiceUnavailable || !strings.Contains(body, "did not finish in time (3s") {
+			t.Errorf("GET %s with the table held: %d, want 503 saying the query took too long\n%s", path, code, body)
+		}
+	}
+	if code, body := h.get(t, nil, "/search?error=relay"); !strings.Contains(body, "narrow the search") {
+		t.Errorf("GET /search timed out: %d, no advice to narrow it\n%s", code, body)
+	}
+}
+
 // TestConsoleSessionExpires: the login cookie is stateless (logging out can only take it out
 // of the browser), so it carries its issue time under the credential's HMAC and expires: a
 // copy of it, or of a page's CSRF token, does not act for ever. A session's CSRF token is
