@@ -139,6 +139,21 @@ func (h *consoleHarness) csrf(t *testing.T, cl *http.Client) string {
 	return m[1]
 }
 
+// holdTable locks workqueue in a transaction of its own until the test ends or the
+// transaction it returns is rolled back: every page's query waits for it.
+func (h *consoleHarness) holdTable(t *testing.T) *sql.Tx {
+	t.Helper()
+	tx, err := h.s.DB.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tx.Rollback() })
+	if _, err := tx.Exec(`LOCK TABLE workqueue IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	return tx
+}
+
 const hostilePayload = `{"text": "<script>alert('x')</script>", "html": "\"><img src=x onerror=alert(1)>"}`
 
 func TestConsolePages(t *testing.T) {
@@ -620,14 +635,7 @@ func TestConsoleGroupActionConfirmed(t *testing.T) {
 func TestConsolePageTimeout(t *testing.T) {
 	h := newConsoleHarness(t, "")
 	h.s.exec(t, `INSERT INTO workqueue (stage, status, state) VALUES ('a', 'failed', '{"dispatch_error": "x"}')`)
-	tx, err := h.s.DB.Begin()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback()
-	if _, err := tx.Exec(`LOCK TABLE workqueue IN ACCESS EXCLUSIVE MODE`); err != nil {
-		t.Fatal(err)
-	}
+	h.holdTable(t)
 	for _, path := range []string{"/search?error=relay", "/failures", "/message/1"} {
 		code, body := h.get(t, nil, path)
 		if code != http.StatusServiceUnavailable || !strings.Contains(body, "did not finish in time (3s") {
@@ -855,15 +863,7 @@ func TestConsoleCountDuty(t *testing.T) {
 func TestConsoleCountFailureKept(t *testing.T) {
 	h := newConsoleHarness(t, "")
 	h.s.exec(t, `INSERT INTO workqueue (stage) VALUES ('parse')`)
-	tx, err := h.s.DB.Begin()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback()
-	// The count waits for this lock until the page's statement timeout.
-	if _, err := tx.Exec(`LOCK TABLE workqueue IN ACCESS EXCLUSIVE MODE`); err != nil {
-		t.Fatal(err)
-	}
+	tx := h.holdTable(t) // the count waits for this lock until the page's statement timeout
 	if code, _ := h.get(t, nil, "/"); code == 200 {
 		t.Fatal("the overview loaded while its count could not read the table")
 	}
