@@ -13,6 +13,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
+	"regexp"
 	"runtime"
 	"slices"
 	"strings"
@@ -584,6 +586,41 @@ func TestCancelledChildCountsAsFailed(t *testing.T) {
 // TestOlderSchemaRefused: on a schema older than this pepsi-queue (a binary upgraded without
 // re-applying schema.sql) every command failed on its own missing function or column; now
 // the first thing said is that the schema is older, and how to apply it (exit 1).
+// TestStatusListsConfiguredStages: status has a line for every stage the configuration
+// defines (the file's and the config table's), with zero counts for one without rows: on a
+// fresh system it printed the header and a TOTAL of dashes, and an operator could not tell
+// a stage with nothing to do from a stage pepsi does not know.
+func TestStatusListsConfiguredStages(t *testing.T) {
+	s := newQSchema(t)
+	s.insert(t, "a", "pending", "")
+	s.insert(t, "stray", "failed", "boom")
+	s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-c', 'PROGRAM', '/bin/true')`)
+	conf := filepath.Join(t.TempDir(), "pepsi.conf")
+	if err := os.WriteFile(conf, []byte("[database]\nDSN = "+s.dsn+"\n[stage-a]\nPROGRAM = /bin/true\n[stage-b]\nPROGRAM = /bin/true\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var out, errOut bytes.Buffer
+	if code := run(context.Background(), []string{"-c", conf, "status"}, strings.NewReader(""), &out, &errOut); code != 0 {
+		t.Fatalf("status: exit %d: %s", code, errOut.String())
+	}
+	var got []string
+	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n")[1:] {
+		f := strings.Fields(line)
+		got = append(got, f[0]+" "+f[1]+" "+f[7]) // stage, pending, failed
+	}
+	want := []string{"a 1 0", "b 0 0", "c 0 0", "stray 0 1", "TOTAL 1 1"}
+	if !slices.Equal(got, want) {
+		t.Errorf("status lines (stage, pending, failed): %q, want %q\n%s", got, want, out.String())
+	}
+	// No rows at all: the totals are zeros (they were the dashes of sums of nothing).
+	s.exec(t, `TRUNCATE workqueue`)
+	out.Reset()
+	if code := run(context.Background(), []string{"-c", conf, "status"}, strings.NewReader(""), &out, &errOut); code != 0 ||
+		!regexp.MustCompile(`(?m)^TOTAL( +0){9} +- +-$`).MatchString(out.String()) {
+		t.Errorf("status of an empty table: exit %d, want a TOTAL of zeros\n%s", code, out.String())
+	}
+}
+
 // TestShowTimesInUTC: show gives a message's times in UTC, as list and errors give theirs
 // (and the console): it printed PostgreSQL's JSON text, in the session's TimeZone, the
 // server's (2026-12-08T02:32:33.25654+13:45 under Pacific/Chatham).

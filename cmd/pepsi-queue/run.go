@@ -190,8 +190,29 @@ func (e *env) dispatch(ctx context.Context) error {
 	inv := e.inv
 	switch inv.command {
 	case "status":
-		return e.query(ctx, `SELECT stage, pending, running, paused, waiting, held, done, failed,
-		        cancelled, total, oldest_pending, stage_paused FROM queue_status()`)
+		// A line for every stage the configuration defines too (the file's and the config
+		// table's), with zeros when it has no rows: a stage with nothing to do is told from
+		// a stage pepsi does not know. The totals of a table without rows are zeros, not
+		// the sums of nothing.
+		var stages []string
+		if e.conf != nil {
+			for st := range e.conf.stages {
+				stages = append(stages, st)
+			}
+		}
+		return e.query(ctx, `
+		WITH s AS (SELECT * FROM queue_status()),
+		     cfg AS (SELECT unnest($1::text[]) AS stage
+		             UNION SELECT substr(section, 7) FROM config WHERE section LIKE 'stage-%' AND upper(key) = 'PROGRAM')
+		SELECT stage, coalesce(pending, 0) AS pending, coalesce(running, 0) AS running, coalesce(paused, 0) AS paused,
+		       coalesce(waiting, 0) AS waiting, coalesce(held, 0) AS held, coalesce(done, 0) AS done,
+		       coalesce(failed, 0) AS failed, coalesce(cancelled, 0) AS cancelled, coalesce(total, 0) AS total,
+		       oldest_pending, stage_paused
+		  FROM (SELECT * FROM s
+		        UNION ALL
+		        SELECT cfg.stage, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, false FROM cfg
+		         WHERE cfg.stage NOT IN (SELECT s.stage FROM s WHERE s.stage IS NOT NULL)) x
+		 ORDER BY stage IS NULL, stage`, pq.Array(stages))
 	case "shape":
 		return e.query(ctx, `SELECT stage, total, lt_1m AS "<1m", age_1m AS "1m", age_5m AS "5m",
 		        age_10m AS "10m", age_30m AS "30m", age_1h AS "1h", age_4h AS "4h", age_1d AS "1d",
