@@ -499,12 +499,6 @@ func searchSQL(q searchQuery) (string, []any) {
 	return s, args
 }
 
-// isPathError reports whether err, a search's, is its JSON path's: the path's grammar
-// (syntax_error, 42601) or a data exception its own parts raise (class 22: a like_regex
-// pattern that is no regular expression, 2201B; a datetime() template, 22007 ...). The
-// search's other values are checked before the query, and none of them can raise those. Read
-// by the SQLSTATE, not the text: a regular expression's error does not say "jsonpath", and a
-// server's lc_messages may word the rest in another language (TestConsolePages).
 // timedOut reports whether a query ended at its statement's deadline: the context's, or the
 // server's cancel that the context sent (57014).
 func timedOut(err error) bool {
@@ -512,6 +506,12 @@ func timedOut(err error) bool {
 	return errors.Is(err, context.DeadlineExceeded) || (errors.As(err, &pe) && pe.Code == "57014")
 }
 
+// isPathError reports whether err, a search's, is its JSON path's: the path's grammar
+// (syntax_error, 42601) or a data exception its own parts raise (class 22: a like_regex
+// pattern that is no regular expression, 2201B; a datetime() template, 22007 ...). The
+// search's other values are checked before the query, and none of them can raise those. Read
+// by the SQLSTATE, not the text: a regular expression's error does not say "jsonpath", and a
+// server's lc_messages may word the rest in another language (TestConsolePages).
 func isPathError(err error) bool {
 	var pe *pq.Error
 	return errors.As(err, &pe) && (pe.Code == "42601" || pe.Code.Class() == "22")
@@ -553,12 +553,18 @@ func (c *console) search(r *http.Request) (string, string, any, error) {
 		next = q.values()
 		next.Set("before", strconv.FormatInt(list[len(list)-1].ID, 10))
 	}
+	// Here is where an action on the selected rows comes back to: this search, this page.
+	here := q.values()
+	if q.Before > 0 {
+		here.Set("before", strconv.FormatInt(q.Before, 10))
+	}
 	return "Search", "search", struct {
 		Q        searchQuery
 		Rows     []messageRow
 		Next     url.Values
+		Here     string
 		Statuses []string
-	}{q, list, next, append([]string{"done"}, consoleStatuses...)}, nil
+	}{q, list, next, "/search?" + here.Encode(), append([]string{"done"}, consoleStatuses...)}, nil
 }
 
 // ---- one message ----

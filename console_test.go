@@ -647,6 +647,37 @@ func TestConsolePageTimeout(t *testing.T) {
 	}
 }
 
+// TestConsoleSearchActionKeepsSearch: an action on rows selected in a search comes back to
+// that search, its filters and page kept, where it went back to an empty search form.
+func TestConsoleSearchActionKeepsSearch(t *testing.T) {
+	h := newConsoleHarness(t, testConsoleToken)
+	h.s.exec(t, `INSERT INTO workqueue (stage, status, state) SELECT 'deliver', 'failed', '{"dispatch_error": "relay down"}' FROM generate_series(1, 3)`)
+	jar, _ := cookiejar.New(nil)
+	cl := &http.Client{Jar: jar}
+	csrf := h.login(t, cl)
+	search := "/search?error=relay&stage=deliver&status=failed"
+	_, body := h.get(t, cl, search)
+	m := regexp.MustCompile(`<input type="hidden" name="back" value="([^"]*)">`).FindStringSubmatch(body)
+	if m == nil {
+		t.Fatalf("the search's rows form has no back field:\n%s", body)
+	}
+	back := html.UnescapeString(m[1])
+	req, _ := http.NewRequest("POST", h.srv.URL+"/action", strings.NewReader(url.Values{"action": {"retry"}, "id": {"1", "2"},
+		"csrf": {csrf}, "back": {back}}.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.Header.Set("Origin", h.srv.URL)
+	resp, err := cl.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	got := resp.Request.URL.Query()
+	if resp.Request.URL.Path != "/search" || got.Get("error") != "relay" || got.Get("stage") != "deliver" ||
+		got.Get("status") != "failed" || got.Get("done") != "retry: 2 changed" {
+		t.Errorf("after an action from %s: at %s, want the same search with the action's result", search, resp.Request.URL)
+	}
+}
+
 // TestConsoleSessionExpires: the login cookie is stateless (logging out can only take it out
 // of the browser), so it carries its issue time under the credential's HMAC and expires: a
 // copy of it, or of a page's CSRF token, does not act for ever. A session's CSRF token is
