@@ -4,6 +4,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"fmt"
@@ -641,6 +642,29 @@ func TestExitStatusConfigError(t *testing.T) {
 		if args[0] == "-c" && len(args) == 3 && !strings.Contains(string(out), p+":2: POLL_INTERVAL:") {
 			t.Errorf("message does not name file, line and key:\n%s", out)
 		}
+	}
+}
+
+// TestHelp: -h is answered with the usage and the options on standard output, exit 0
+// (pepsi-dispatch -h | less); a mistake's usage stays on standard error.
+func TestHelp(t *testing.T) {
+	for _, arg := range []string{"-h", "-help", "--help"} {
+		cmd := exec.Command(os.Args[0], arg)
+		cmd.Env = append(os.Environ(), "PEPSI_TEST_DAEMON=1")
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		out, err := cmd.Output()
+		if err != nil || !strings.HasPrefix(string(out), "usage: pepsi-dispatch") || !strings.Contains(string(out), "-c file") || stderr.Len() != 0 {
+			t.Errorf("%s: %v, stdout %q, stderr %q; want the usage on standard output, exit 0", arg, err, out, stderr.String())
+		}
+	}
+	cmd := exec.Command(os.Args[0], "-x", "serve")
+	cmd.Env = append(os.Environ(), "PEPSI_TEST_DAEMON=1")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 2 || len(out) != 0 || !strings.Contains(stderr.String(), "usage: pepsi-dispatch") {
+		t.Errorf("-x: %v, stdout %q, stderr %q; want the usage on standard error, exit 2", err, out, stderr.String())
 	}
 }
 

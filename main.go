@@ -28,6 +28,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"flag"
@@ -87,18 +88,23 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	red := newRedactor(stderr) // no password reaches the log, whatever carries it (secret.go)
 	stderr = red
 	fs := flag.NewFlagSet("pepsi-dispatch", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	// The usage is written once the parse says why: asked for (-h), it is the answer, on
+	// standard output with status 0 (pepsi-dispatch -h | less); after a mistake, standard error.
+	var usageText bytes.Buffer
+	fs.SetOutput(&usageText)
 	confPath := fs.String("c", configFileDefault, "configuration `file`")
 	levelName := fs.String("L", "info", "log `level`: error, warn, info or debug")
 	verbose := fs.Bool("v", false, "verbose: same as -L debug")
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, usage)
+		fmt.Fprintln(&usageText, usage)
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
+			os.Stdout.Write(usageText.Bytes())
 			return 0
 		}
+		stderr.Write(usageText.Bytes())
 		return 2
 	}
 	if fs.NArg() != 1 || fs.Arg(0) != "serve" {

@@ -21,6 +21,10 @@ func (e *usageError) Error() string { return e.msg }
 
 func usagef(format string, a ...any) error { return &usageError{fmt.Sprintf(format, a...)} }
 
+// errHelp is --help (-h, help): the usage is then the answer, on standard output with exit
+// status 0 (pepsi-queue --help | less), not a usage error.
+var errHelp = errors.New("help asked for")
+
 const usageText = `usage: pepsi-queue [-c FILE] [--json] COMMAND [ARGUMENTS]
 
 commands:
@@ -109,7 +113,7 @@ func parseArgs(args []string) (*invocation, error) {
 		case "--reset":
 			inv.reset = true
 		case "-h", "--help", "help":
-			return nil, usagef("%s", strings.TrimSuffix(usageText, "\n"))
+			return nil, errHelp
 		case "--limit":
 			if v, err = get(); err == nil {
 				inv.limit, err = strconv.Atoi(v)

@@ -391,6 +391,13 @@ func TestExitStatuses(t *testing.T) {
 	if r := s.pq(t, "", "--bogus"); r.code != 2 {
 		t.Errorf("usage: %+v", r)
 	}
+	// Asked for, the usage is the answer (standard output, exit 0: pepsi-queue --help | less),
+	// not a usage error; anywhere on the line, it is all that runs.
+	for _, args := range [][]string{{"--help"}, {"-h"}, {"help"}, {"retry", "--help"}} {
+		if r := s.pq(t, "", args...); r.code != 0 || !strings.HasPrefix(r.stdout, "usage: pepsi-queue") || r.stderr != "" {
+			t.Errorf("%v: exit %d, stdout %q, stderr %q; want the usage on standard output, exit 0", args, r.code, r.stdout, r.stderr)
+		}
+	}
 	t.Setenv("PEPSI_DSN", "")
 	var out, errOut bytes.Buffer
 	if code := run(context.Background(), []string{"-c", "/nonexistent/pepsi.conf", "status"}, strings.NewReader(""), &out, &errOut); code != 2 {

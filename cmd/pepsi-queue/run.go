@@ -67,6 +67,10 @@ type env struct {
 
 func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	inv, err := parseArgs(args)
+	if errors.Is(err, errHelp) {
+		io.WriteString(stdout, usageText)
+		return exitOK
+	}
 	if err != nil {
 		fmt.Fprintln(stderr, "pepsi-queue:", err)
 		return exitUsage
