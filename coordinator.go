@@ -165,6 +165,8 @@ func newCoordinator(ctx context.Context, d coordinatorDeps) *coordinator {
 			continue // set per worker below
 		case k == "NOTIFY_SOCKET" || k == "WATCHDOG_USEC" || k == "WATCHDOG_PID" || k == "LISTEN_FDS" || k == "LISTEN_PID":
 			continue // systemd's, for the daemon alone: a worker must not answer for it
+		case k == "JOURNAL_STREAM":
+			continue // a worker's standard error is a pipe to the daemon, not the journal
 		}
 		c.workerEnv = append(c.workerEnv, kv)
 	}

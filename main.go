@@ -85,6 +85,9 @@ const usage = "usage: pepsi-dispatch [-c FILE] [-L error|warn|info|debug] [-v] s
 // run is the whole program; it returns the exit status: 0 after a clean shutdown, 2 for a
 // usage or configuration mistake, 1 for anything else.
 func run(ctx context.Context, args []string, stderr io.Writer) int {
+	if f, ok := stderr.(*os.File); ok && toJournal(f) {
+		stderr = journalWriter{stderr} // each record with its priority (journal.go)
+	}
 	red := newRedactor(stderr) // no password reaches the log, whatever carries it (secret.go)
 	stderr = red
 	fs := flag.NewFlagSet("pepsi-dispatch", flag.ContinueOnError)
