@@ -26,6 +26,8 @@ import (
 	"time"
 )
 
+// consoleCookie is the name of the login cookie before a credential's own is appended
+// (consoleAuth.cookieName), and the whole name an earlier version used.
 const consoleCookie = "pepsi_console"
 
 // consoleAuth holds the configured credential.
@@ -44,6 +46,13 @@ func (a *consoleAuth) mac(purpose string) string {
 // for ever when it was the credential's one fixed HMAC. It now carries its issue time.
 const consoleSessionLifetime = 12 * time.Hour
 
+// cookieName is the login cookie's name for this credential. A browser keeps one cookie per
+// name and host, whatever the port: the consoles of two systems on one host (two listeners,
+// two SSH tunnels to 127.0.0.1) each overwrote the other's login when they shared a name.
+func (a *consoleAuth) cookieName() string {
+	return consoleCookie + "_" + a.mac("pepsi-console cookie name")[:12]
+}
+
 // sessionValue is the cookie of a browser logged in at issued: the issue time in Unix
 // seconds and its HMAC under the credential.
 func (a *consoleAuth) sessionValue(issued time.Time) string {
@@ -54,7 +63,7 @@ func (a *consoleAuth) sessionValue(issued time.Time) string {
 // session returns the request's cookie if it is a session of this credential issued less
 // than consoleSessionLifetime ago (and not more than a minute ahead: a clock set back).
 func (a *consoleAuth) session(r *http.Request) (string, bool) {
-	ck, err := r.Cookie(consoleCookie)
+	ck, err := r.Cookie(a.cookieName())
 	if err != nil {
 		return "", false
 	}
@@ -132,7 +141,7 @@ func (c *console) login(w http.ResponseWriter, r *http.Request) {
 	// No Path: the browser scopes the cookie to the directory of the login's address, the
 	// console's root, with or without a proxy's prefix (consoleRoot), so that it is not sent
 	// to the other applications, or another console, behind the same proxy.
-	http.SetCookie(w, &http.Cookie{Name: consoleCookie, Value: c.auth.sessionValue(time.Now()),
+	http.SetCookie(w, &http.Cookie{Name: c.auth.cookieName(), Value: c.auth.sessionValue(time.Now()),
 		MaxAge: int(consoleSessionLifetime.Seconds()), HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil || r.Header.Get("X-Forwarded-Proto") == "https"})
 	c.log.Info("console: operator logged in", "remote", r.RemoteAddr)
 	seeOther(w, "./")
@@ -143,8 +152,11 @@ func (c *console) logout(w http.ResponseWriter, r *http.Request) {
 		refuse(w, http.StatusForbidden, "cross-origin request refused")
 		return
 	}
-	http.SetCookie(w, &http.Cookie{Name: consoleCookie, Value: "", MaxAge: -1, HttpOnly: true, SameSite: http.SameSiteStrictMode})
-	// The login of an earlier version set Path=/: a browser logged in then is logged out too.
+	if c.auth != nil {
+		http.SetCookie(w, &http.Cookie{Name: c.auth.cookieName(), Value: "", MaxAge: -1, HttpOnly: true, SameSite: http.SameSiteStrictMode})
+	}
+	// The login of an earlier version set the bare name with Path=/: that browser is logged
+	// out too.
 	http.SetCookie(w, &http.Cookie{Name: consoleCookie, Value: "", Path: "/", MaxAge: -1, HttpOnly: true, SameSite: http.SameSiteStrictMode})
 	seeOther(w, "./")
 }

@@ -678,6 +678,26 @@ func TestConsoleSearchActionKeepsSearch(t *testing.T) {
 	}
 }
 
+// TestConsoleTwoSystemsOneHost: the consoles of two systems on one host (two listeners, or
+// two SSH tunnels to 127.0.0.1:9187 and :9188) keep their logins apart: a browser's cookies
+// are the host's whatever the port, and both consoles named theirs alike, so logging in to
+// one logged out of the other.
+func TestConsoleTwoSystemsOneHost(t *testing.T) {
+	a := newConsoleHarness(t, testConsoleToken)
+	b := newConsoleHarness(t, "another-console-credential-987654")
+	jar, _ := cookiejar.New(nil) // one browser
+	cl := &http.Client{Jar: jar}
+	a.login(t, cl)
+	if code, _ := b.post(t, cl, "/login", b.srv.URL, url.Values{"token": {"another-console-credential-987654"}}); code != 200 {
+		t.Fatalf("login to the second console: %d", code)
+	}
+	for name, h := range map[string]*consoleHarness{"first": a, "second": b} {
+		if _, body := h.get(t, cl, "/search"); !strings.Contains(body, `name="csrf"`) {
+			t.Errorf("after logging in to both, the %s console is not logged in", name)
+		}
+	}
+}
+
 // TestConsoleSessionExpires: the login cookie is stateless (logging out can only take it out
 // of the browser), so it carries its issue time under the credential's HMAC and expires: a
 // copy of it, or of a page's CSRF token, does not act for ever. A session's CSRF token is
@@ -706,7 +726,7 @@ func TestConsoleSessionExpires(t *testing.T) {
 	old := time.Now().Add(-consoleSessionLifetime - time.Minute)
 	for _, value := range []string{h.c.auth.sessionValue(old), h.c.auth.mac("pepsi-console session"), "x.y", ""} {
 		jar, _ := cookiejar.New(nil)
-		jar.SetCookies(u, []*http.Cookie{{Name: consoleCookie, Value: value}})
+		jar.SetCookies(u, []*http.Cookie{{Name: h.c.auth.cookieName(), Value: value}})
 		stale := &http.Client{Jar: jar}
 		if code := pause(stale, csrf); code != 403 {
 			t.Errorf("an action with the cookie %q: %d, want 403", value, code)
@@ -718,14 +738,14 @@ func TestConsoleSessionExpires(t *testing.T) {
 	// A cookie whose time was changed without the HMAC: refused.
 	_, mac, _ := strings.Cut(h.c.auth.sessionValue(old), ".")
 	jar, _ = cookiejar.New(nil)
-	jar.SetCookies(u, []*http.Cookie{{Name: consoleCookie, Value: strconv.FormatInt(time.Now().Unix(), 10) + "." + mac}})
+	jar.SetCookies(u, []*http.Cookie{{Name: h.c.auth.cookieName(), Value: strconv.FormatInt(time.Now().Unix(), 10) + "." + mac}})
 	if code := pause(&http.Client{Jar: jar}, csrf); code != 403 {
 		t.Errorf("an action with a cookie whose time was changed: %d, want 403", code)
 	}
 	// Another session (issued an hour ago, still valid): the first's CSRF token does not act
 	// in it, its own does.
 	jar, _ = cookiejar.New(nil)
-	jar.SetCookies(u, []*http.Cookie{{Name: consoleCookie, Value: h.c.auth.sessionValue(time.Now().Add(-time.Hour))}})
+	jar.SetCookies(u, []*http.Cookie{{Name: h.c.auth.cookieName(), Value: h.c.auth.sessionValue(time.Now().Add(-time.Hour))}})
 	cl2 := &http.Client{Jar: jar}
 	csrf2 := h.csrf(t, cl2)
 	if code := pause(cl2, csrf); code != 403 {
@@ -751,7 +771,7 @@ func cookieMaxAge(t *testing.T, h *consoleHarness) int {
 	}
 	resp.Body.Close()
 	for _, c := range resp.Cookies() {
-		if c.Name == consoleCookie {
+		if c.Name == h.c.auth.cookieName() {
 			return c.MaxAge
 		}
 	}
