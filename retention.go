@@ -28,8 +28,8 @@
 // DELETE SET NULL, held by an open transaction: TestRetentionBlockedClaimsGoOn).
 //
 // A row the database refuses to delete (an application's foreign key to it without ON
-// DELETE, its trigger) is kept alone: the batch it was in is done again one row per
-// statement, and the row is left out of the walks until the day's full one
+// DELETE, its trigger) is kept alone: the batch it was in is done again in halves until the
+// refused row stands alone, and the row is left out of the walks until the day's full one
 // (deleteRowsAlone). One such row used to fail every turn at the same batch.
 
 package main
@@ -128,12 +128,12 @@ SELECT ARRAY(SELECT w.workqueue_id FROM workqueue w
        count(*), coalesce(max(workqueue_id), 0), coalesce(bool_and(young), false)
   FROM win`
 
-// retentionOneSQL deletes the row $2 alone if it may still go, passing it over if another
-// transaction holds it (as retentionSQL does).
-const retentionOneSQL = `
+// retentionSomeSQL deletes the rows $2 that may still go, passing over those another
+// transaction holds (as retentionSQL does).
+const retentionSomeSQL = `
 WITH doomed AS (
     SELECT w.workqueue_id FROM workqueue w
-     WHERE w.workqueue_id = $2 AND ` + retentionDueSQL + `
+     WHERE w.workqueue_id = ANY ($2::bigint[]) AND ` + retentionDueSQL + `
        FOR UPDATE OF w SKIP LOCKED
 )
 DELETE FROM workqueue q USING doomed WHERE q.workqueue_id = doomed.workqueue_id`
@@ -256,14 +256,15 @@ type rowsAlone struct {
 }
 
 // deleteRowsAlone is one batch of retentionSQL, for a window whose batch the database refused:
-// it picks the rows the batch would have deleted and deletes each in a statement of its own,
-// so that a refusal that is one row's (an application's foreign key to it, its trigger) keeps
-// only that row, not the whole walk: a batch refused so failed every turn at the same place,
-// and retention deleted nothing past it again (TestRetentionRowRefused). The walk goes on
-// after the picked rows as after a batch that deleted them. Each statement is its own
-// transaction: a fraction of a millisecond a row, so a batch costs a fraction of a second, in
-// the background, once per refused row and walk (retainer.refused leaves the row out
-// afterwards).
+// it picks the rows the batch would have deleted and deletes them in halves, each half that
+// is refused halved again, so that a refusal that is one row's (an application's foreign key
+// to it, its trigger) keeps only that row, not the whole walk: a batch refused so failed every
+// turn at the same place, and retention deleted nothing past it again
+// (TestRetentionRowRefused). The walk goes on after the picked rows as after a batch that
+// deleted them. Each statement is its own transaction; a refused row costs about
+// 2 log2(batch) of them, 20 for a batch of 1,000, once per walk (retainer.refused leaves the
+// row out afterwards). One statement a row, as before, was a thousand, past the turn's budget
+// on a busy server (TestRetentionRefusedBatchFewStatements).
 func deleteRowsAlone(ctx context.Context, db *sql.DB, w retentionWalk, cursor int64, window int, skip []int64) (rowsAlone, error) {
 	var r rowsAlone
 	var picked []int64
@@ -271,17 +272,38 @@ func deleteRowsAlone(ctx context.Context, db *sql.DB, w retentionWalk, cursor in
 		Scan((*pq.Int64Array)(&picked), &r.looked, &r.lastLooked, &r.young); err != nil {
 		return r, fmt.Errorf("pick the rows of a refused batch: %w", err)
 	}
-	for _, id := range picked {
-		res, err := db.ExecContext(ctx, retentionOneSQL, w.age.Seconds(), id)
+	var del, halve func(ids []int64) error
+	del = func(ids []int64) error {
+		res, err := db.ExecContext(ctx, retentionSomeSQL, w.age.Seconds(), pq.Array(ids))
 		switch {
+		case refusesRows(err) && ctx.Err() == nil && len(ids) == 1:
+			r.refused = append(r.refused, refusedRow{id: ids[0], err: err})
 		case refusesRows(err) && ctx.Err() == nil:
-			r.refused = append(r.refused, refusedRow{id: id, err: err})
+			return halve(ids)
 		case err != nil:
-			return r, fmt.Errorf("delete row %d alone: %w", id, err)
+			return fmt.Errorf("delete %d rows of a refused batch, from %d: %w", len(ids), ids[0], err)
 		default:
 			n, _ := res.RowsAffected() // lib/pq reads it from the command tag: no error
 			r.deleted += n
 		}
+		return nil
+	}
+	halve = func(ids []int64) error {
+		if err := del(ids[:len(ids)/2]); err != nil {
+			return err
+		}
+		return del(ids[len(ids)/2:])
+	}
+	var err error
+	switch len(picked) {
+	case 0:
+	case 1:
+		err = del(picked)
+	default:
+		err = halve(picked) // the whole batch was just refused
+	}
+	if err != nil {
+		return r, err
 	}
 	r.picked = int64(len(picked))
 	if len(picked) > 0 {
