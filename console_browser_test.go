@@ -282,9 +282,14 @@ func TestConsoleBrowser(t *testing.T) {
 	})
 	wd.open(pbase + "stages")
 	wd.click(`form input[value="enrich"] ~ button[value="pause"]`)
-	waitFor(t, 15*time.Second, "the pause's result on the stages page under the prefix", func() bool {
-		return strings.HasPrefix(wd.url(), pbase+"stages?done=") && strings.Contains(wd.source(), "stage enrich paused")
+	// The result is shown, and taken out of the address (a reload does not show it again).
+	waitFor(t, 15*time.Second, "the pause's result on the stages page under the prefix, out of its address", func() bool {
+		return wd.url() == pbase+"stages" && strings.Contains(wd.source(), "stage enrich paused")
 	})
+	wd.call("POST", wd.s("/refresh"), map[string]any{}, nil)
+	if src := wd.source(); strings.Contains(src, "stage enrich paused") {
+		t.Errorf("a reload of the stages page shows the last action's result again")
+	}
 	wd.click(`form input[value="enrich"] ~ button[value="resume"]`)
 	waitFor(t, 15*time.Second, "the resume's result", func() bool {
 		return strings.Contains(wd.source(), "stage enrich resumed")
