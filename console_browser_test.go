@@ -2,7 +2,8 @@
 // through chromedriver's WebDriver protocol (plain JSON over HTTP, so no dependency), against
 // a real daemon running a three-stage pipeline: load every page and take a screenshot, check
 // that the DOM shows the stages and a failure group, log in, retry the group through its form
-// and check the rows changed, pause and resume a stage.
+// and check the rows changed, delete a group of more than 1,000 through its confirmation page,
+// pause and resume a stage; then the same through a reverse proxy under a path of its own.
 //
 // It needs Debian's chromium and chromium-driver; without them it skips, except under CI=true
 // where it fails. PEPSI_CONSOLE_SCREENSHOTS=DIR keeps the screenshots (doc/console.png is the
@@ -242,6 +243,26 @@ func TestConsoleBrowser(t *testing.T) {
 	})
 	if n := s.count(t, `SELECT count(*) FROM operator_log WHERE action = 'retry' AND os_user = 'console' AND changed = 10`); n != 1 {
 		t.Errorf("operator_log has %d retry entries of 10 rows by the console, want 1", n)
+	}
+
+	// A group of more than 1,000 asks first: its own page, whose button acts.
+	s.exec(t, `INSERT INTO workqueue (stage, status, attempts, state)
+		SELECT 'deliver', 'failed', 1, '{"dispatch_error": "bounced by example.org"}' FROM generate_series(1, 1001)`)
+	wd.open(base + "/failures")
+	wd.click(`form:has(input[name="count"][value="1001"]) button[value="delete"]`)
+	waitFor(t, 15*time.Second, "the confirmation page", func() bool {
+		return strings.Contains(wd.source(), "more than 1,000 messages (1001 when the failures page counted them)")
+	})
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE state->>'dispatch_error' = 'bounced by example.org'`); n != 1001 {
+		t.Fatalf("%d of the group's 1,001 rows left before confirming", n)
+	}
+	wd.screenshot(shots, "confirm")
+	wd.click(`form.actions button`)
+	waitFor(t, 15*time.Second, "the confirmed delete's result", func() bool {
+		return strings.Contains(wd.source(), "delete: 1001 changed")
+	})
+	if n := s.count(t, `SELECT count(*) FROM workqueue WHERE state->>'dispatch_error' = 'bounced by example.org'`); n != 0 {
+		t.Errorf("%d of the group's rows left after the confirmed delete", n)
 	}
 
 	// Pause and resume a stage from the stages page.
