@@ -95,25 +95,31 @@ func (a *consoleAuth) csrfOK(r *http.Request) bool {
 	return subtle.ConstantTimeCompare([]byte(r.PostFormValue("csrf")), []byte(a.csrfToken(r))) == 1
 }
 
-// sameOrigin reports whether a POST comes from a page of this listener: its Origin header, or
-// its Referer when a browser sends no Origin, names the host the request was sent to.
-func sameOrigin(r *http.Request) bool {
+// crossOrigin says why a POST does not come from a page of this listener ("" when it does):
+// its Origin header, or its Referer when a browser sends no Origin, must name the host the
+// request was sent to (the proxy's X-Forwarded-Host, or Host). The refusal names both, so
+// that a proxy that passes the host without its port (nginx's $host) is found at once.
+func crossOrigin(r *http.Request) string {
 	src := r.Header.Get("Origin")
 	if src == "" || src == "null" {
 		src = r.Header.Get("Referer")
 	}
 	if src == "" {
-		return false
+		return "cross-origin request refused: the request carries no Origin or Referer"
 	}
 	u, err := url.Parse(src)
 	if err != nil || u.Host == "" {
-		return false
+		return fmt.Sprintf("cross-origin request refused: its origin %q is not a URL", src)
 	}
 	host := r.Host
 	if fwd := r.Header.Get("X-Forwarded-Host"); fwd != "" { // behind a reverse proxy
 		host = strings.TrimSpace(strings.Split(fwd, ",")[0])
 	}
-	return strings.EqualFold(u.Host, host)
+	if strings.EqualFold(u.Host, host) {
+		return ""
+	}
+	return fmt.Sprintf("cross-origin request refused: the request's origin is %s://%s, this console's host %s "+
+		"(behind a reverse proxy, pass the browser's Host with its port: nginx's $http_host, not $host)", u.Scheme, u.Host, host)
 }
 
 // refuse answers a refused write.
@@ -129,8 +135,8 @@ func (c *console) login(w http.ResponseWriter, r *http.Request) {
 		refuse(w, http.StatusForbidden, "the console is read-only: no credential is configured")
 		return
 	}
-	if !sameOrigin(r) {
-		refuse(w, http.StatusForbidden, "cross-origin request refused")
+	if why := crossOrigin(r); why != "" {
+		refuse(w, http.StatusForbidden, why)
 		return
 	}
 	if subtle.ConstantTimeCompare([]byte(strings.TrimSpace(r.PostFormValue("token"))), c.auth.secret) != 1 {
@@ -148,8 +154,8 @@ func (c *console) login(w http.ResponseWriter, r *http.Request) {
 }
 
 func (c *console) logout(w http.ResponseWriter, r *http.Request) {
-	if !sameOrigin(r) {
-		refuse(w, http.StatusForbidden, "cross-origin request refused")
+	if why := crossOrigin(r); why != "" {
+		refuse(w, http.StatusForbidden, why)
 		return
 	}
 	if c.auth != nil {
@@ -168,8 +174,8 @@ func (c *console) action(w http.ResponseWriter, r *http.Request) {
 	case c.auth == nil:
 		refuse(w, http.StatusForbidden, "the console is read-only: no credential is configured")
 		return
-	case !sameOrigin(r):
-		refuse(w, http.StatusForbidden, "cross-origin request refused")
+	case crossOrigin(r) != "":
+		refuse(w, http.StatusForbidden, crossOrigin(r))
 		return
 	case !c.auth.loggedIn(r):
 		refuse(w, http.StatusForbidden, "log in first")

@@ -678,6 +678,27 @@ func TestConsoleSearchActionKeepsSearch(t *testing.T) {
 	}
 }
 
+// TestConsoleOriginRefusalSays: a refused Origin says what was compared: behind a proxy that
+// passes the host without its port (nginx's $host, where the proxy listens on 8443), every
+// action was refused with "cross-origin request refused" and nothing to go on.
+func TestConsoleOriginRefusalSays(t *testing.T) {
+	h := newConsoleHarness(t, testConsoleToken)
+	req, _ := http.NewRequest("POST", h.srv.URL+"/login", strings.NewReader(url.Values{"token": {testConsoleToken}}.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.Header.Set("Origin", "https://mgmt.example:8443")
+	req.Header.Set("X-Forwarded-Host", "mgmt.example")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 403 || !strings.Contains(string(b), `the request's origin is https://mgmt.example:8443, this console's host mgmt.example`) ||
+		!strings.Contains(string(b), "$http_host") {
+		t.Errorf("a login whose origin has a port the forwarded host lacks: %d %q, want 403 naming both and the proxy's setting", resp.StatusCode, b)
+	}
+}
+
 // TestConsoleTwoSystemsOneHost: the consoles of two systems on one host (two listeners, or
 // two SSH tunnels to 127.0.0.1:9187 and :9188) keep their logins apart: a browser's cookies
 // are the host's whatever the port, and both consoles named theirs alike, so logging in to
