@@ -22,13 +22,19 @@ func FuzzQueueArgs(f *testing.F) {
 		"retry\x00--error=relay\x00--all", "cancel\x001\x002", "hold\x00-", "pause\x00a",
 		"list\x00--older\x001h30m", "list\x00--id-from=5\x00--id-to\x009", "list\x00--status\x00\tfailed",
 		"list\x00--error\x00\xff", "list\x00--stage=a\x00", "retry\x00--reset\x00--signature\x00abc\x00--all",
-		"--json\x00errors\x00--limit\x003", "-c\x00/f\x00show\x00+5", "shape\x00--status=done,"} {
+		"--json\x00errors\x00--limit\x003", "-c\x00/f\x00show\x00+5", "shape\x00--status=done,", "-h", "retry\x00--help"} {
 		f.Add(s)
 	}
 	older := regexp.MustCompile(`^[0-9.e+]+ seconds$`)
 	f.Fuzz(func(t *testing.T, line string) {
 		args := strings.Split(line, "\x00")
 		inv, err := parseArgs(args)
+		if errors.Is(err, errHelp) { // the usage asked for: the answer, and nothing else runs
+			if inv != nil {
+				t.Fatalf("parseArgs(%q): help and an invocation %+v", args, inv)
+			}
+			return
+		}
 		if err != nil {
 			var ue *usageError
 			if !errors.As(err, &ue) || ue.msg == "" || inv != nil {
