@@ -12,6 +12,15 @@
 // A program that implements several stages gives RunStages a handler per stage; it serves the
 // stage it is started for and can run the others in the same pass (stage fusion, below).
 //
+// The package's module path, pepsi-dispatch, is no address the go command can fetch: a stage
+// in a module of its own requires it from a checkout of this repository (a path relative to
+// the module, or absolute) with a replace directive, then runs go mod tidy and go build
+// (TestOwnModule does so):
+//
+//	require pepsi-dispatch v0.0.0
+//
+//	replace pepsi-dispatch => ../pepsi-dispatch
+//
 // The rest of this comment is the worker protocol itself, complete enough to write a stage in
 // any language without this package.
 //
