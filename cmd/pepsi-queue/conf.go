@@ -15,13 +15,14 @@ type confFile struct {
 	path   string
 	dsn    string
 	stages map[string]bool
+	paused map[string]string // a stage's PAUSED in the file, as written
 }
 
 // readConf reads path; a missing file returns an empty confFile and an error wrapping
 // os.ErrNotExist (PEPSI_DSN may stand in for it). A malformed file is a usage error (exit 2).
 func readConf(path string) (*confFile, error) {
 	f, err := conffile.Read(path)
-	c := &confFile{path: f.Path, dsn: f.DSN, stages: f.Stages}
+	c := &confFile{path: f.Path, dsn: f.DSN, stages: f.Stages, paused: f.Paused}
 	var ce *conffile.Error
 	if errors.As(err, &ce) {
 		return c, &usageError{ce.Error()}

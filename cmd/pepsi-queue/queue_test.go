@@ -12,6 +12,7 @@ import (
 	"database/sql"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -619,6 +620,34 @@ func TestStatusListsConfiguredStages(t *testing.T) {
 	if !slices.Equal(got, want) {
 		t.Errorf("status lines (stage, pending, failed): %q, want %q\n%s", got, want, out.String())
 	}
+	// A stage paused by the file says so, unless the config table's row (pepsi-queue resume)
+	// says otherwise: the table is the overlay (it said no for the file's pause before).
+	if err := os.WriteFile(conf, []byte("[database]\nDSN = "+s.dsn+"\n[stage-a]\nPROGRAM = /bin/true\n"+
+		"[stage-b]\nPROGRAM = /bin/true\nPAUSED = Yes\n[stage-d]\nPROGRAM = /bin/true\nPAUSED = yes\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-d', 'PAUSED', 'no')`)
+	out.Reset()
+	if code := run(context.Background(), []string{"-c", conf, "--json", "status"}, strings.NewReader(""), &out, &errOut); code != 0 {
+		t.Fatalf("status: exit %d: %s", code, errOut.String())
+	}
+	paused := map[string]bool{}
+	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		var r struct {
+			Stage  *string `json:"stage"`
+			Paused bool    `json:"stage_paused"`
+		}
+		if err := json.Unmarshal([]byte(line), &r); err != nil {
+			t.Fatal(err)
+		}
+		if r.Stage != nil {
+			paused[*r.Stage] = r.Paused
+		}
+	}
+	if want := map[string]bool{"a": false, "b": true, "c": false, "d": false, "stray": false}; !maps.Equal(paused, want) {
+		t.Errorf("stage_paused: %v, want %v", paused, want)
+	}
+
 	// No rows at all: the totals are zeros (they were the dashes of sums of nothing).
 	s.exec(t, `TRUNCATE workqueue`)
 	out.Reset()

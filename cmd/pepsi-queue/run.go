@@ -198,10 +198,19 @@ func (e *env) dispatch(ctx context.Context) error {
 		// table's), with zeros when it has no rows: a stage with nothing to do is told from
 		// a stage pepsi does not know. The totals of a table without rows are zeros, not
 		// the sums of nothing.
-		var stages []string
+		// A stage's pause: the config table's PAUSED row (pepsi-queue pause and resume
+		// write it) over the file's, as the dispatcher reads them; queue_status knows the
+		// table's alone.
+		var stages, filePaused []string
 		if e.conf != nil {
 			for st := range e.conf.stages {
 				stages = append(stages, st)
+			}
+			for st, v := range e.conf.paused {
+				switch strings.ToLower(v) {
+				case "yes", "true", "on", "1": // the daemon's parseBool
+					filePaused = append(filePaused, st)
+				}
 			}
 		}
 		return e.query(ctx, `
@@ -211,12 +220,15 @@ func (e *env) dispatch(ctx context.Context) error {
 		SELECT stage, coalesce(pending, 0) AS pending, coalesce(running, 0) AS running, coalesce(paused, 0) AS paused,
 		       coalesce(waiting, 0) AS waiting, coalesce(held, 0) AS held, coalesce(done, 0) AS done,
 		       coalesce(failed, 0) AS failed, coalesce(cancelled, 0) AS cancelled, coalesce(total, 0) AS total,
-		       oldest_pending, stage_paused
+		       oldest_pending,
+		       coalesce((SELECT lower(c.value) IN ('yes', 'true', 'on', '1') FROM config c
+		                  WHERE c.section = 'stage-' || x.stage AND c.key = 'PAUSED'),
+		                x.stage = ANY ($2::text[]), false) AS stage_paused
 		  FROM (SELECT * FROM s
 		        UNION ALL
 		        SELECT cfg.stage, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, false FROM cfg
 		         WHERE cfg.stage NOT IN (SELECT s.stage FROM s WHERE s.stage IS NOT NULL)) x
-		 ORDER BY stage IS NULL, stage`, pq.Array(stages))
+		 ORDER BY stage IS NULL, stage`, pq.Array(stages), pq.Array(filePaused))
 	case "shape":
 		return e.query(ctx, `SELECT stage, total, lt_1m AS "<1m", age_1m AS "1m", age_5m AS "5m",
 		        age_10m AS "10m", age_30m AS "30m", age_1h AS "1h", age_4h AS "4h", age_1d AS "1d",

@@ -26,8 +26,9 @@ import (
 // File is what the tools read from a configuration file.
 type File struct {
 	Path   string
-	DSN    string          // [database] DSN, "" when the file has none
-	Stages map[string]bool // the NAMEs of the [stage-NAME] sections
+	DSN    string            // [database] DSN, "" when the file has none
+	Stages map[string]bool   // the NAMEs of the [stage-NAME] sections
+	Paused map[string]string // a [stage-NAME] section's PAUSED value, as written
 }
 
 // Error is a malformed file: Where is FILE:LINE (or FILE when it could not be read).
@@ -46,7 +47,7 @@ const MaxLine = 64 << 10
 func Read(path string) (*File, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return &File{Stages: map[string]bool{}}, fmt.Errorf("read configuration: %w", err)
+		return &File{Stages: map[string]bool{}, Paused: map[string]string{}}, fmt.Errorf("read configuration: %w", err)
 	}
 	defer f.Close()
 	return Parse(path, f)
@@ -57,7 +58,7 @@ func Read(path string) (*File, error) {
 // '=', a malformed key, a control character in a value and a key set twice are errors; the
 // sections of other programs are skipped whatever they contain, as the daemon skips them.
 func Parse(name string, r io.Reader) (*File, error) {
-	c := &File{Path: name, Stages: map[string]bool{}}
+	c := &File{Path: name, Stages: map[string]bool{}, Paused: map[string]string{}}
 	sc := bufio.NewScanner(r)
 	// The buffer holds the longest allowed line with its "\r\n" (the scanner fails when a line
 	// and its terminator do not fit).
@@ -124,6 +125,9 @@ func Parse(name string, r io.Reader) (*File, error) {
 		seen[section+"\x00"+key] = true
 		if section == "database" && key == "DSN" {
 			c.DSN = value
+		}
+		if stage, ok := strings.CutPrefix(section, "stage-"); ok && key == "PAUSED" {
+			c.Paused[stage] = value
 		}
 	}
 	if err := sc.Err(); err != nil {
