@@ -154,22 +154,16 @@ func (e *httpError) Error() string { return e.msg }
 func (c *console) page(f pageFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		consoleHeaders(w)
+		root := consoleRoot(r.URL.Path)
 		if c.pool() == nil {
 			w.WriteHeader(http.StatusServiceUnavailable)
-			c.render(w, "error", pageData{Title: "Not connected yet", Version: c.version, Root: consoleRoot(r.URL.Path),
+			c.render(w, "error", pageData{Title: "Not connected yet", Version: c.version, Root: root,
 				Body: "this dispatcher has no database pool yet: it is a standby, or waits for a writable server (see /metrics)"})
 			return
 		}
 		title, nav, body, err := f(r)
 		if err != nil && r.Context().Err() == nil && timedOut(err) {
-			msg := fmt.Sprintf("this page's query did not finish in time (%s, or the role's statement_timeout if "+
-				"shorter): the table is large, or a transaction holds its rows (pg_stat_activity: idle in transaction)",
-				consoleStatementTimeout)
-			if r.URL.Path == "/search" {
-				msg += "; narrow the search with a stage, a status or an id: an error text or a JSON path alone reads every row"
-			}
-			c.log.Warn("console: page timed out", "path", r.URL.Path, "err", err)
-			err = &httpError{http.StatusServiceUnavailable, msg}
+			err = c.pageTimedOut(r, err, "")
 		}
 		if err != nil {
 			code := http.StatusInternalServerError
@@ -180,14 +174,15 @@ func (c *console) page(f pageFunc) http.HandlerFunc {
 				c.log.Warn("console: page failed", "path", r.URL.Path, "err", err)
 			}
 			w.WriteHeader(code)
-			c.render(w, "error", pageData{Title: http.StatusText(code), Version: c.version, Root: consoleRoot(r.URL.Path),
-				Body: err.Error()})
+			c.render(w, "error", pageData{Title: http.StatusText(code), Version: c.version, Root: root, Body: err.Error()})
 			return
 		}
-		d := pageData{Title: title, Nav: nav, Version: c.version, Body: body, Root: consoleRoot(r.URL.Path),
+		d := pageData{Title: title, Nav: nav, Version: c.version, Body: body, Root: root,
 			Auth: c.auth != nil, Flash: r.URL.Query().Get("done")}
-		if c.auth != nil && c.auth.loggedIn(r) {
-			d.CanAct, d.CSRF = true, c.auth.csrfToken(r)
+		if c.auth != nil {
+			if session, ok := c.auth.session(r); ok {
+				d.CanAct, d.CSRF = true, c.auth.csrfToken(session)
+			}
 		}
 		c.render(w, nav, d)
 	}
@@ -506,6 +501,19 @@ func timedOut(err error) bool {
 	return errors.Is(err, context.DeadlineExceeded) || (errors.As(err, &pe) && pe.Code == "57014")
 }
 
+// pageTimedOut is the 503 of a page whose query ran past its time (timedOut), with what
+// happened and, from a page that knows how to ask less, hint.
+func (c *console) pageTimedOut(r *http.Request, err error, hint string) error {
+	c.log.Warn("console: page timed out", "path", r.URL.Path, "err", err)
+	msg := fmt.Sprintf("this page's query did not finish in time (%s, or the role's statement_timeout if "+
+		"shorter): the table is large, or a transaction holds its rows (pg_stat_activity: idle in transaction)",
+		consoleStatementTimeout)
+	if hint != "" {
+		msg += "; " + hint
+	}
+	return &httpError{http.StatusServiceUnavailable, msg}
+}
+
 // isPathError reports whether err, a search's, is its JSON path's: the path's grammar
 // (syntax_error, 42601) or a data exception its own parts raise (class 22: a like_regex
 // pattern that is no regular expression, 2201B; a datetime() template, 22007 ...). The
@@ -529,6 +537,10 @@ func (c *console) search(r *http.Request) (string, string, any, error) {
 	if err != nil {
 		if q.JSONPath != "" && isPathError(err) {
 			return "", "", nil, &httpError{http.StatusBadRequest, "the JSON path is not valid: " + err.Error()}
+		}
+		if r.Context().Err() == nil && timedOut(err) {
+			return "", "", nil, c.pageTimedOut(r, err,
+				"narrow the search with a stage, a status or an id: an error text or a JSON path alone reads every row")
 		}
 		return "", "", nil, fmt.Errorf("search messages: %w", err)
 	}

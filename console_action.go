@@ -79,20 +79,12 @@ func (a *consoleAuth) session(r *http.Request) (string, bool) {
 	return ck.Value, age > -time.Minute && age < consoleSessionLifetime
 }
 
-func (a *consoleAuth) loggedIn(r *http.Request) bool {
-	_, ok := a.session(r)
-	return ok
-}
+// csrfToken is the session's own (session: its cookie's value): a token copied from a page
+// acts only with its cookie, and expires with it.
+func (a *consoleAuth) csrfToken(session string) string { return a.mac("pepsi-console csrf " + session) }
 
-// csrfToken is the session's own: a token copied from a page acts only with its cookie, and
-// expires with it.
-func (a *consoleAuth) csrfToken(r *http.Request) string {
-	v, _ := a.session(r)
-	return a.mac("pepsi-console csrf " + v)
-}
-
-func (a *consoleAuth) csrfOK(r *http.Request) bool {
-	return subtle.ConstantTimeCompare([]byte(r.PostFormValue("csrf")), []byte(a.csrfToken(r))) == 1
+func (a *consoleAuth) csrfOK(r *http.Request, session string) bool {
+	return subtle.ConstantTimeCompare([]byte(r.PostFormValue("csrf")), []byte(a.csrfToken(session))) == 1
 }
 
 // crossOrigin says why a POST does not come from a page of this listener ("" when it does):
@@ -170,24 +162,25 @@ func (c *console) logout(w http.ResponseWriter, r *http.Request) {
 // action performs one operator action. Wiring to the operator's SQL functions: see
 // consoleRun; the checks here come first, in this order, and each refusal changes nothing.
 func (c *console) action(w http.ResponseWriter, r *http.Request) {
-	switch {
-	case c.auth == nil:
+	if c.auth == nil {
 		refuse(w, http.StatusForbidden, "the console is read-only: no credential is configured")
 		return
-	case crossOrigin(r) != "":
-		refuse(w, http.StatusForbidden, crossOrigin(r))
-		return
-	case !c.auth.loggedIn(r):
-		refuse(w, http.StatusForbidden, "log in first")
-		return
-	case !c.auth.csrfOK(r):
-		refuse(w, http.StatusForbidden, "the form's CSRF token is missing or stale: reload the page")
-		return
-	case c.pool() == nil:
-		refuse(w, http.StatusServiceUnavailable, "this dispatcher has no database pool yet (a standby?)")
+	}
+	if why := crossOrigin(r); why != "" {
+		refuse(w, http.StatusForbidden, why)
 		return
 	}
-	c.runAction(w, r)
+	session, ok := c.auth.session(r)
+	switch {
+	case !ok:
+		refuse(w, http.StatusForbidden, "log in first")
+	case !c.auth.csrfOK(r, session):
+		refuse(w, http.StatusForbidden, "the form's CSRF token is missing or stale: reload the page")
+	case c.pool() == nil:
+		refuse(w, http.StatusServiceUnavailable, "this dispatcher has no database pool yet (a standby?)")
+	default:
+		c.runAction(w, r, session)
+	}
 }
 
 // loadConsoleToken reads CONSOLE_TOKEN_FILE once, at start-up before the privilege drop, so

@@ -92,7 +92,7 @@ var consoleRowActions = map[string]string{
 
 // runAction performs a checked action (console_action.go has done the checks) and redirects
 // back to the page it came from with a one-line summary.
-func (c *console) runAction(w http.ResponseWriter, r *http.Request) {
+func (c *console) runAction(w http.ResponseWriter, r *http.Request, session string) {
 	action := r.PostFormValue("action")
 	// Every field reaches PostgreSQL as text, or through json.Marshal (a signature), which
 	// would turn invalid UTF-8 into U+FFFD and act on another filter than the one sent: one
@@ -121,8 +121,8 @@ func (c *console) runAction(w http.ResponseWriter, r *http.Request) {
 	var confirm *groupConfirmation
 	if errors.As(err, &confirm) {
 		consoleHeaders(w)
-		c.render(w, "confirm", pageData{Title: "Confirm", Nav: "failures", Version: c.version, Root: "./",
-			Auth: true, CanAct: true, CSRF: c.auth.csrfToken(r), Body: confirm})
+		c.render(w, "confirm", pageData{Title: "Confirm", Nav: "failures", Version: c.version, Root: consoleRoot(r.URL.Path),
+			Auth: true, CanAct: true, CSRF: c.auth.csrfToken(session), Body: confirm})
 		return
 	}
 	if err != nil {

@@ -24,6 +24,7 @@ import (
 	"testing"
 	"time"
 
+	"pepsi-dispatch/internal/pgtest"
 	"pepsi-dispatch/stage"
 )
 
@@ -66,23 +67,8 @@ func testWorkerBin(t testing.TB) string {
 	return p
 }
 
-// syncBuffer is a bytes.Buffer safe for the daemon's stderr copier and the test to share.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
+// syncBuffer is the daemon's stderr, shared by its copier and the test.
+type syncBuffer = pgtest.SyncBuffer
 
 // daemon is one running pepsi-dispatch process.
 type daemon struct {

@@ -54,7 +54,7 @@ var version = "dev"
 
 func main() {
 	oneProc(os.Getenv)
-	os.Exit(run(context.Background(), os.Args[1:], os.Stderr))
+	os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr))
 }
 
 // oneProc runs the daemon on one processor (runtime.GOMAXPROCS(1)) unless its environment
@@ -83,8 +83,9 @@ func oneProc(getenv func(string) string) {
 const usage = "usage: pepsi-dispatch [-c FILE] [-L error|warn|info|debug] [-v] serve"
 
 // run is the whole program; it returns the exit status: 0 after a clean shutdown, 2 for a
-// usage or configuration mistake, 1 for anything else.
-func run(ctx context.Context, args []string, stderr io.Writer) int {
+// usage or configuration mistake, 1 for anything else. Standard output carries only the
+// usage asked for (-h); everything else goes to stderr.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if f, ok := stderr.(*os.File); ok && toJournal(f) {
 		stderr = journalWriter{stderr} // each record with its priority (journal.go)
 	}
@@ -104,7 +105,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	}
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			os.Stdout.Write(usageText.Bytes())
+			stdout.Write(usageText.Bytes())
 			return 0
 		}
 		stderr.Write(usageText.Bytes())

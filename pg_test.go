@@ -38,7 +38,7 @@ func TestMain(m *testing.M) {
 	}
 	if os.Getenv("PEPSI_TEST_DAEMON") != "" {
 		oneProc(os.Getenv) // as main does
-		os.Exit(run(context.Background(), os.Args[1:], os.Stderr))
+		os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr))
 	}
 	before := runtime.NumGoroutine()
 	code := m.Run()

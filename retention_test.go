@@ -140,11 +140,9 @@ func TestRetentionBlockedClaimsGoOn(t *testing.T) {
 func TestRetentionStopsAtYoungRows(t *testing.T) {
 	const old, young = 20_000, 250_000
 	s := newTestSchema(t)
-	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at)
-		SELECT 'zz', 'done', now() - interval '10 days', now() - interval '9 days' FROM generate_series(1, $1)`, old)
+	oldDoneRows(t, s, old)
 	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'zz', 'done' FROM generate_series(1, $1)`, young)
-	straggler := int64(s.count(t, `INSERT INTO workqueue (stage, status, created_at, status_at)
-		VALUES ('zz', 'done', now() - interval '10 days', now() - interval '9 days') RETURNING workqueue_id`))
+	straggler := oldDoneRows(t, s, 1)
 	s.exec(t, `ANALYZE workqueue`)
 
 	// One connection, so that its statistics can be flushed on demand (pg_stat_force_next_flush:
@@ -277,6 +275,15 @@ func TestRetentionWalkAcrossTurns(t *testing.T) {
 	}
 }
 
+// oldDoneRows inserts n rows done nine days ago (created ten), past a RETENTION of 7d, and
+// returns the first one's id.
+func oldDoneRows(t *testing.T, s *testSchema, n int) int64 {
+	t.Helper()
+	return int64(s.count(t, `WITH i AS (INSERT INTO workqueue (stage, status, created_at, status_at)
+		SELECT 'zz', 'done', now() - interval '10 days', now() - interval '9 days' FROM generate_series(1, $1)
+		RETURNING workqueue_id) SELECT min(workqueue_id) FROM i`, n))
+}
+
 // refusingApp gives the test schema an application that refuses the deletion of two rows
 // by a foreign key without ON DELETE (a and c) and of one by its trigger (b).
 func refusingApp(t *testing.T, s *testSchema, a, b, c int64) {
@@ -301,10 +308,8 @@ func refusingApp(t *testing.T, s *testSchema, a, b, c int64) {
 // at the same place every minute, and nothing past it was deleted again.
 func TestRetentionRowRefused(t *testing.T) {
 	s := newTestSchema(t)
-	old := `now() - interval '10 days', now() - interval '9 days'`
-	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at) SELECT 'zz', 'done', `+old+` FROM generate_series(1, 30)`)
+	first := oldDoneRows(t, s, 30)
 	s.exec(t, `INSERT INTO workqueue (stage, status) SELECT 'zz', 'done' FROM generate_series(1, 5)`)
-	first := int64(s.count(t, `SELECT min(workqueue_id) FROM workqueue`))
 	kept := []int64{first + 4, first + 11, first + 19}
 	refusingApp(t, s, kept[0], kept[1], kept[2])
 
@@ -379,9 +384,7 @@ func TestRetentionRowRefused(t *testing.T) {
 // after the start deletes the rows it may and says which ones the database refused, once.
 func TestRetentionRowRefusedDaemon(t *testing.T) {
 	s := newTestSchema(t)
-	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at)
-		SELECT 'zz', 'done', now() - interval '10 days', now() - interval '9 days' FROM generate_series(1, 3000)`)
-	first := int64(s.count(t, `SELECT min(workqueue_id) FROM workqueue`))
+	first := oldDoneRows(t, s, 3000)
 	refusingApp(t, s, first+10, first+1500, first+2999)
 	d := startDaemon(t, baseConf(s, "RETENTION = 7d"), "pipeline")
 	waitFor(t, 30*time.Second, "the old rows deleted but the three refused", func() bool {
@@ -412,9 +415,7 @@ func TestRetentionRowRefusedDaemon(t *testing.T) {
 // exceeded", the rest of the walk a minute later).
 func TestRetentionRefusedBatchFewStatements(t *testing.T) {
 	s := newTestSchema(t)
-	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at)
-		SELECT 'zz', 'done', now() - interval '10 days', now() - interval '9 days' FROM generate_series(1, 1000)`)
-	first := int64(s.count(t, `SELECT min(workqueue_id) FROM workqueue`))
+	first := oldDoneRows(t, s, 1000)
 	refusingApp(t, s, first+10, first+500, first+999)
 	// Every DELETE statement on the table, whatever it deleted.
 	s.exec(t, `CREATE TABLE deletes (n int)`)
@@ -447,11 +448,9 @@ func TestRetentionRefusedBatchFewStatements(t *testing.T) {
 // next goes on after them, and no turn deletes anything.
 func TestRetentionAllRefused(t *testing.T) {
 	s := newTestSchema(t)
-	s.exec(t, `INSERT INTO workqueue (stage, status, created_at, status_at)
-		SELECT 'zz', 'done', now() - interval '10 days', now() - interval '9 days' FROM generate_series(1, 12)`)
+	first := oldDoneRows(t, s, 12)
 	s.exec(t, `CREATE TABLE app_ref (msg bigint REFERENCES workqueue)`)
 	s.exec(t, `INSERT INTO app_ref SELECT workqueue_id FROM workqueue`)
-	first := int64(s.count(t, `SELECT min(workqueue_id) FROM workqueue`))
 
 	r := &retainer{age: 7 * 24 * time.Hour, lastFull: time.Now()}
 	for turn, want := range [][]int64{{first, first + 3}, {first + 4, first + 7}, {first + 8, first + 11}} {

@@ -919,17 +919,15 @@ func TestRunProcess(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var outs, errs lockedBuffer
+	var outs, errs pgtest.SyncBuffer
 	cmd.Stdout, cmd.Stderr = &outs, &errs
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	fmt.Fprintf(in, "%d\n", d)
-	for deadline := time.Now().Add(30 * time.Second); !strings.Contains(errs.String(), "child reading"); time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("the handler's child did not start: stderr %q", errs.String())
-		}
-	}
+	pgtest.WaitFor(t, 30*time.Second, "the handler's child to start", func() bool {
+		return strings.Contains(errs.String(), "child reading")
+	})
 	fmt.Fprintf(in, "%d\n", e)
 	in.Close()
 	if err := cmd.Wait(); err != nil || outs.String() != "0\n0\n" || !strings.Contains(errs.String(), "child read: []") {
@@ -1420,22 +1418,4 @@ func TestLoadUnprepared(t *testing.T) {
 	if len(prepared) != 0 {
 		t.Errorf("the worker's session prepared %q on the queue table, want nothing", prepared)
 	}
-}
-
-// lockedBuffer is a bytes.Buffer a process writes while the test reads it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

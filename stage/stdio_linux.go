@@ -19,25 +19,25 @@ import (
 // were then never answered. Where a step fails, that half stays where it was.
 func protocolFiles() (in, out *os.File) {
 	in, out = os.Stdin, os.Stdout
-	if fd, ok := moveFd(0, "/dev/null", os.O_RDONLY); ok {
+	if fd, ok := moveFd(0, "/dev/null"); ok {
 		in = os.NewFile(fd, "stdin (ids)")
 	}
-	if fd, ok := moveFd(1, "", 0); ok {
+	if fd, ok := moveFd(1, ""); ok {
 		out = os.NewFile(fd, "stdout (replies)")
 	}
 	return in, out
 }
 
 // moveFd copies descriptor fd to a new close-on-exec one, which it returns, and points fd at
-// the file named (opened with flag), or at standard error for "".
-func moveFd(fd int, name string, flag int) (uintptr, bool) {
+// the file named (opened to read), or at standard error for "".
+func moveFd(fd int, name string) (uintptr, bool) {
 	cp, _, errno := syscall.Syscall(syscall.SYS_FCNTL, uintptr(fd), syscall.F_DUPFD_CLOEXEC, 3)
 	if errno != 0 {
 		return 0, false
 	}
 	src := 2
 	if name != "" {
-		f, err := os.OpenFile(name, flag, 0)
+		f, err := os.Open(name)
 		if err != nil {
 			syscall.Close(int(cp))
 			return 0, false

@@ -195,40 +195,38 @@ func (e *env) dispatch(ctx context.Context) error {
 	switch inv.command {
 	case "status":
 		// A line for every stage the configuration defines too (the file's and the config
-		// table's), with zeros when it has no rows: a stage with nothing to do is told from
-		// a stage pepsi does not know. The totals of a table without rows are zeros, not
-		// the sums of nothing.
-		// A stage's pause: the config table's PAUSED row (pepsi-queue pause and resume
-		// write it) over the file's, as the dispatcher reads them; queue_status knows the
-		// table's alone.
-		var stages, filePaused []string
+		// table's), with zeros when it has no rows, so that a stage with nothing to do is told
+		// from one pepsi does not know; totals of zeros for a table without rows, not the sums
+		// of nothing. A stage's pause is the config table's PAUSED row (pause and resume write
+		// it) over the file's, as the dispatcher reads them: queue_status knows the table's.
+		var stages, pausedStages, pausedValues []string
 		if e.conf != nil {
 			for st := range e.conf.stages {
 				stages = append(stages, st)
 			}
 			for st, v := range e.conf.paused {
-				switch strings.ToLower(v) {
-				case "yes", "true", "on", "1": // the daemon's parseBool
-					filePaused = append(filePaused, st)
-				}
+				pausedStages, pausedValues = append(pausedStages, st), append(pausedValues, v)
 			}
 		}
 		return e.query(ctx, `
 		WITH s AS (SELECT * FROM queue_status()),
 		     cfg AS (SELECT unnest($1::text[]) AS stage
-		             UNION SELECT substr(section, 7) FROM config WHERE section LIKE 'stage-%' AND upper(key) = 'PROGRAM')
+		             UNION SELECT substr(section, 7) FROM config WHERE section LIKE 'stage-%' AND key = 'PROGRAM'),
+		     paused AS (SELECT stage, coalesce(c.value, f.value) AS value
+		                  FROM unnest($2::text[], $3::text[]) f (stage, value)
+		                  FULL JOIN (SELECT substr(section, 7) AS stage, value FROM config
+		                              WHERE section LIKE 'stage-%' AND key = 'PAUSED') c USING (stage))
 		SELECT stage, coalesce(pending, 0) AS pending, coalesce(running, 0) AS running, coalesce(paused, 0) AS paused,
 		       coalesce(waiting, 0) AS waiting, coalesce(held, 0) AS held, coalesce(done, 0) AS done,
 		       coalesce(failed, 0) AS failed, coalesce(cancelled, 0) AS cancelled, coalesce(total, 0) AS total,
 		       oldest_pending,
-		       coalesce((SELECT lower(c.value) IN ('yes', 'true', 'on', '1') FROM config c
-		                  WHERE c.section = 'stage-' || x.stage AND c.key = 'PAUSED'),
-		                x.stage = ANY ($2::text[]), false) AS stage_paused
+		       coalesce((SELECT lower(p.value) IN ('yes', 'true', 'on', '1') FROM paused p WHERE p.stage = x.stage),
+		                false) AS stage_paused
 		  FROM (SELECT * FROM s
 		        UNION ALL
 		        SELECT cfg.stage, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, false FROM cfg
 		         WHERE cfg.stage NOT IN (SELECT s.stage FROM s WHERE s.stage IS NOT NULL)) x
-		 ORDER BY stage IS NULL, stage`, pq.Array(stages), pq.Array(filePaused))
+		 ORDER BY stage IS NULL, stage`, pq.Array(stages), pq.Array(pausedStages), pq.Array(pausedValues))
 	case "shape":
 		return e.query(ctx, `SELECT stage, total, lt_1m AS "<1m", age_1m AS "1m", age_5m AS "5m",
 		        age_10m AS "10m", age_30m AS "30m", age_1h AS "1h", age_4h AS "4h", age_1d AS "1d",

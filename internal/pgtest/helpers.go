@@ -1,12 +1,15 @@
 // helpers.go: the helpers that the daemon's tests and the SDK's tests share: one statement,
-// one integer, the one way a test waits for a condition, and the Python interpreter. Kept
-// apart from pgtest.go, the cluster and its schemas, because they need no cluster of their own.
+// one integer, the one way a test waits for a condition, a buffer a process writes while the
+// test reads it, and the Python interpreter. Kept apart from pgtest.go, the cluster and its
+// schemas, because they need no cluster of their own.
 
 package pgtest
 
 import (
+	"bytes"
 	"database/sql"
 	"os"
+	"sync"
 	"testing"
 	"time"
 )
@@ -56,4 +59,22 @@ func WaitFor(t testing.TB, timeout time.Duration, what string, cond func() bool)
 			delay *= 2
 		}
 	}
+}
+
+// SyncBuffer is a bytes.Buffer that a process's output copier writes while the test reads it.
+type SyncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *SyncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *SyncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
