@@ -420,8 +420,10 @@ func (cl *claimer) claim(ctx context.Context, conn *sql.Conn, want map[string]in
 	}
 	if err != nil {
 		// Cancelled at its budget: most likely a row lock held elsewhere (claimSkipLockedSQL).
-		// The claimer owns its mode, so it switches here, once per period.
-		if !skip && (errors.Is(ctx.Err(), context.DeadlineExceeded) || ctx.Err() == nil && cutWaiting(err)) {
+		// The claimer owns its mode, so it switches here, once per period. Not when the
+		// connection failed meanwhile (a server whose machine vanished answers nothing until
+		// the socket gives up): that is an outage, and the row-lock warning misled.
+		if !skip && !isConnLost(err) && (errors.Is(ctx.Err(), context.DeadlineExceeded) || ctx.Err() == nil && cutWaiting(err)) {
 			cl.skipUntil = time.Now().Add(skipLockedFor)
 			return res, fmt.Errorf("claim: %w (%w)", err, errSkipLocked)
 		}
@@ -658,6 +660,7 @@ func (c *coordinator) claim() {
 		return
 	}
 	c.dbBackoff.reset()
+	c.lockUnheard = false
 	c.fanin.inbox = false
 	c.backlog = false
 	c.takeClaim(res, c.want)

@@ -72,6 +72,7 @@ type coordinator struct {
 	workerDSN    string   // PEPSI_DSN: the DSN with the worker application_name
 
 	claimWanted  bool // something may have become claimable
+	lockUnheard  bool // a heartbeat came and no statement has gone over the lock connection since
 	backlog      bool // the last claim filled a stage: claim again as soon as room frees
 	retryWanted  bool // paused rows may be due
 	reloadWanted bool // config_changed (or a listener reconnect) asks for a reload
@@ -336,6 +337,16 @@ func (c *coordinator) settle() {
 	if c.claimWanted && !c.shutdown {
 		c.claim()
 	}
+	if c.lockUnheard && c.locked && !c.dbWaiting {
+		// Every stage full or held, so the heartbeat's claim sent nothing: the lock connection
+		// is proven otherwise, once per POLL_INTERVAL. Workers stuck on a server that vanished
+		// send no replies and so ask for no claim, and its loss went unseen for as long as they
+		// were stuck (TestFailoverPrimaryVanishes); its Dialer bounds the ping (LOCK_KEEPALIVE).
+		c.lockUnheard = false
+		if err := c.pingLock(); err != nil {
+			c.dbTrouble("prove the lock connection", err)
+		}
+	}
 	if c.inflightAll == 0 && c.stats.dirty() {
 		// The pipeline went idle: flush soon, so a finished burst's figures need not wait
 		// for the next STATS_INTERVAL tick, but at most once a second (also while the
@@ -399,7 +410,7 @@ func (c *coordinator) onTimers() {
 			// One statement per POLL_INTERVAL when idle: the claim also returns the earliest
 			// paused row's due time, and the retry timer (set from it) flips due rows.
 			c.log.Debug("heartbeat")
-			c.claimWanted = true
+			c.claimWanted, c.lockUnheard = true, true
 			c.timers.schedule(key, now.Add(c.cfg.Dispatch.PollInterval))
 		case timerRetry:
 			c.retryWanted = true

@@ -137,8 +137,19 @@ func stageConf(t testing.TB, name, next, extra string) string {
 // startDaemon starts `pepsi-dispatch -c conf -v serve` with worker program `worker`.
 func startDaemon(t testing.TB, conf, worker string, env ...string) *daemon {
 	t.Helper()
+	return startDaemonWrapped(t, nil, conf, worker, env...)
+}
+
+// startDaemonWrapped is startDaemon with the daemon's command line run by wrap (a network
+// namespace's ip netns exec, which execs it: the process is the daemon's).
+func startDaemonWrapped(t testing.TB, wrap func(argv ...string) []string, conf, worker string, env ...string) *daemon {
+	t.Helper()
 	path := writeFile(t, testDir(t), "pepsi.conf", conf)
-	cmd := exec.Command(os.Args[0], "-c", path, "-v", "serve")
+	argv := []string{os.Args[0], "-c", path, "-v", "serve"}
+	if wrap != nil {
+		argv = wrap(argv...)
+	}
+	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Env = append(os.Environ(), "PEPSI_TEST_DAEMON=1", "PEPSI_TEST_WORKER="+worker)
 	cmd.Env = append(cmd.Env, env...)
 	d := &daemon{t: t, cmd: cmd, log: &syncBuffer{}, done: make(chan struct{})}

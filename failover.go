@@ -29,7 +29,7 @@ import (
 // set from it (lockKeepalive). Shorter takes over sooner but ends the session of a holder
 // behind a network that stalls for that long; 10 s is the takeover an operator can wait for
 // and longer than the usual TCP retransmission stalls of a LAN.
-const lockKeepaliveDefault = 10 * time.Second
+const lockKeepaliveDefault = pgsession.DefaultVanish
 
 // listenerMaxReconnect caps the LISTEN connection's reconnect back-off: notifications are back
 // within this of the new primary accepting connections (lib/pq retries at this period while
@@ -43,29 +43,41 @@ var errReadOnly = errors.New("server is read-only (in recovery or transaction_re
 // lockSQL takes the single-instance lock only on a session that can write: the test and the
 // lock are one statement, so there is no window between them (a primary does not become a
 // standby under a live session: that takes a restart, which ends the session and the lock).
-// It also names the server, for the log and /metrics: its address, or on a Unix socket the
-// socket's directory, which pg_settings shows to a superuser or a member of
-// pg_read_all_settings alone (current_setting() refused every other role, so that the
-// dispatcher of an ordinary role on a local socket could not start: TestOrdinaryRole).
+// It also names the server (dbServer): its address, or on a Unix socket the socket's
+// directory, which pg_settings shows to a superuser or a member of pg_read_all_settings alone
+// (current_setting() refused every other role, so that the dispatcher of an ordinary role on a
+// local socket could not start: TestOrdinaryRole), and when its postmaster started.
 // $1, $2 = the lock key; $3: wait for the lock (a standby dispatcher) instead of trying once.
 const lockSQL = `
 SELECT ro, CASE WHEN ro THEN NULL WHEN $3 THEN pg_advisory_lock($1, $2) IS NOT NULL
-                ELSE pg_try_advisory_lock($1, $2) END, server
+                ELSE pg_try_advisory_lock($1, $2) END, server, pg_postmaster_start_time()
   FROM (SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool AS ro,
                coalesce(host(inet_server_addr()),
                         (SELECT setting FROM pg_settings WHERE name = 'unix_socket_directories'),
                         'local socket') || ':' || current_setting('port') AS server) s`
 
+// dbServer is the server a lock session is on: its address, for the log and /metrics, and
+// when its postmaster started, which tells a promoted standby or a restarted server behind
+// the same address (a virtual IP, one DNS name) from the one a lost session was on.
+type dbServer struct {
+	addr    string
+	started time.Time
+}
+
+// same reports whether s and o are one server in one run of it: sessions opened on the one
+// can still be open on the other.
+func (s dbServer) same(o dbServer) bool { return s.addr == o.addr && s.started.Equal(o.started) }
+
 // takeLock takes the lock on conn, or reports errReadOnly; wait blocks until the holder's
-// session ends (a standby). server names the server the session is on.
-func takeLock(ctx context.Context, conn *sql.Conn, key int32, wait bool) (got bool, server string, err error) {
+// session ends (a standby). server is the server the session is on.
+func takeLock(ctx context.Context, conn *sql.Conn, key int32, wait bool) (got bool, server dbServer, err error) {
 	var ro bool
 	var ok sql.NullBool
-	if err := conn.QueryRowContext(ctx, lockSQL, lockClass, key, wait).Scan(&ro, &ok, &server); err != nil {
-		return false, "", fmt.Errorf("take single-instance lock: %w", err)
+	if err := conn.QueryRowContext(ctx, lockSQL, lockClass, key, wait).Scan(&ro, &ok, &server.addr, &server.started); err != nil {
+		return false, dbServer{}, fmt.Errorf("take single-instance lock: %w", err)
 	}
 	if ro {
-		return false, server, fmt.Errorf("take single-instance lock on %s: %w", server, errReadOnly)
+		return false, server, fmt.Errorf("take single-instance lock on %s: %w", server.addr, errReadOnly)
 	}
 	return ok.Bool, server, nil
 }
@@ -77,9 +89,7 @@ func lockKeepalive(ctx context.Context, conn *sql.Conn, d time.Duration) error {
 	if d <= 0 {
 		return nil
 	}
-	idle := max(time.Second, d/2)
-	interval := max(time.Second, d/10)
-	count := max(1, int((d-idle)/interval))
+	idle, interval, count := pgsession.Keepalive(d)
 	_, err := conn.ExecContext(ctx, fmt.Sprintf(`SET tcp_keepalives_idle = %d; SET tcp_keepalives_interval = %d;
 		SET tcp_keepalives_count = %d; SET tcp_user_timeout = %d`,
 		int(idle/time.Second), int(interval/time.Second), count, d.Milliseconds()))
@@ -102,7 +112,7 @@ func discard(conn *sql.Conn) {
 // fence refuses it once another dispatcher has taken over. The lock connection has a pool of
 // its own (tryConnect).
 func openWorkPool(cfg *Config, inst *instance) (*sql.DB, error) {
-	db, err := pgsession.Open(dsnWith(dsnOwn(cfg.DSN), "application_name", inst.dispatchAppName()))
+	db, err := pgsession.Open(dsnWith(dsnOwn(cfg.DSN), "application_name", inst.dispatchAppName()), cfg.Dispatch.LockKeepalive)
 	if err != nil {
 		return nil, fmt.Errorf("open database: %w", err)
 	}
@@ -259,6 +269,27 @@ func (c *coordinator) outageFailure(w *worker, m *message, text string) bool {
 		w.end(fateRetired)
 	}
 	return true
+}
+
+// retireStranded kills the workers started before the lock connection was lost, once the lock
+// is on another server, or on the same one restarted: their sessions were on the server that
+// went away. A server that stopped closed them, and a worker learns it at its next statement;
+// one whose machine vanished (no FIN, no RST) left them waiting on its answer for as long as
+// their kernel retransmits (minutes), while the dispatcher handed them the messages it claimed
+// on the new primary, none of which moved (TestFailoverPrimaryVanishes). Their queues go back to
+// pending, no attempt charged (fateRetired); replacements start on the new server as claims
+// ask for them. A worker of a third-party program is killed alike: no SDK of ours is needed.
+func (c *coordinator) retireStranded() {
+	for _, w := range c.workers {
+		if w.fate == fateRetired || !c.outageWorker(w) {
+			continue
+		}
+		c.log.Warn("worker started before the lock moved to this server; its session was on the one that went away: "+
+			"killing it, its messages go back to pending, no attempt charged",
+			"stage", w.stage, "pid", w.pid, "requeued", len(w.queue), "server", c.inst.server.addr)
+		c.ha.update(func(s *haStatus) { s.outageRetried += int64(len(w.queue)) })
+		w.end(fateRetired)
+	}
 }
 
 // relockMaxDelay caps the back-off between attempts to take the lock again: a failed attempt

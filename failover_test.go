@@ -223,17 +223,10 @@ func TestFailoverMidRun(t *testing.T) {
 	n := len(delays) * batch
 	waitFor(t, 180*time.Second, "every message done", func() bool { return poll(s, `SELECT count(*) FROM workqueue WHERE status = 'done'`) == n })
 	checkExactlyOnce(t, s, n)
-	if c := s.count(t, `SELECT count(*) FROM workqueue WHERE attempts <> 0`); c != 0 {
-		t.Errorf("%d messages were charged an attempt for the outage", c)
-	}
 	if r := countStatus(t, s, "running"); r != 0 {
 		t.Errorf("%d rows left running", r)
 	}
-	select {
-	case <-d.done:
-		t.Fatalf("the dispatcher exited (status %d); it must ride the failovers out", d.status)
-	default:
-	}
+	checkRodeOut(t, s, d, "the failovers")
 	var reconciles []string
 	for _, l := range strings.Split(d.log.String(), "\n") {
 		if strings.Contains(l, "reconciled the table with memory") || strings.Contains(l, "no attempt charged") {
@@ -303,6 +296,20 @@ func TestFailoverStartOnStandby(t *testing.T) {
 			d.stop()
 			p.rebuildStandby()
 		})
+	}
+}
+
+// checkRodeOut: no message was charged an attempt for event (an outage, a crash of the
+// server), and the dispatcher, never restarted, still runs.
+func checkRodeOut(t *testing.T, s *testSchema, d *daemon, event string) {
+	t.Helper()
+	if c := s.count(t, `SELECT count(*) FROM workqueue WHERE attempts <> 0`); c != 0 {
+		t.Errorf("%d messages were charged an attempt for %s", c, event)
+	}
+	select {
+	case <-d.done:
+		t.Fatalf("the dispatcher exited (status %d); it must ride %s out", d.status, event)
+	default:
 	}
 }
 
@@ -727,4 +734,135 @@ func ordinaryOwner(t *testing.T, s *testSchema, ddl string) string {
 		t.Fatalf("%s may read every setting: not an ordinary role", role)
 	}
 	return role
+}
+
+// TestFailoverPrimaryVanishes: the primary's machine vanishes mid-run (its network gone, so
+// nothing it says reaches the dispatcher any more: no FIN, no RST; its server dies with it)
+// and the standby is promoted. The dispatcher and its workers run in a network namespace that
+// reaches each server through a link of its own (netns_test.go). A primary that stops closes
+// its sockets and the dispatcher learns it at its next statement (TestFailoverMidRun); here it
+// learns nothing, and a statement on the vanished server waited for the kernel's TCP
+// retransmissions to give up (net.ipv4.tcp_retries2: about 15 minutes), every new connection
+// for its SYNs to (about 2 minutes) before lib/pq tried the next host. The dispatcher must
+// take its lock on the new primary within LOCK_KEEPALIVE's bound and finish every message
+// once, none charged, as when a primary stops.
+func TestFailoverPrimaryVanishes(t *testing.T) {
+	p := newPGPair(t)
+	ns := newTestNetns(t, 2)
+	for i := range 2 {
+		serveOn(t, p.script, p.dirs[i], ns.hostAddr[i], ns.nsAddr[i])
+	}
+	s := p.schema(t)
+	s.exec(t, runsDDL)
+	dsn := fmt.Sprintf("host=%s,%s port=%s,%s user=postgres dbname=postgres sslmode=disable "+
+		"target_session_attrs=read-write options='-c search_path=%s'",
+		ns.hostAddr[0], ns.hostAddr[1], p.ports[0], p.ports[1], s.Name)
+	conf := strings.Replace(threeStages(t, s), s.DSN, dsn, 1)
+	d := startDaemonWrapped(t, ns.wrap, conf, "pipeline")
+	d.waitLog("dispatching", 60*time.Second)
+	const n = 300
+	enqueue(t, s, "a", n, `{"sleep_ms": 20}`)
+	waitFor(t, 120*time.Second, "the batch under way", func() bool { return poll(s, `SELECT count(*) FROM runs`) >= n/4 })
+	ns.cut(0)       // the primary's machine vanishes for the dispatcher and its workers,
+	p.killPrimary() // and its server with it: what it says as it stops is lost on the cut link
+	p.promote()
+	promoted := time.Now()
+	waitFor(t, 3*time.Minute, "the lock re-taken on the new primary", func() bool {
+		return strings.Contains(d.log.String(), "single-instance lock taken again")
+	})
+	relocked := time.Since(promoted)
+	waitFor(t, 3*time.Minute, "every message done", func() bool {
+		return poll(s, `SELECT count(*) FROM workqueue WHERE status = 'done'`) == n
+	})
+	finished := time.Since(promoted)
+	t.Logf("after the promotion: lock re-taken in %v, every message done in %v", relocked.Round(time.Millisecond), finished.Round(time.Millisecond))
+	// LOCK_KEEPALIVE (10 s) to notice, one connect attempt on the vanished host, then the
+	// new primary: 30 s leaves room for a loaded machine, and is far from the kernel's minutes.
+	if relocked > 30*time.Second {
+		t.Errorf("the lock was taken again %v after the promotion, want within 30 s", relocked.Round(time.Millisecond))
+	}
+	if finished > 45*time.Second {
+		t.Errorf("every message was done %v after the promotion, want within 45 s", finished.Round(time.Millisecond))
+	}
+	checkExactlyOnce(t, s, n)
+	checkRodeOut(t, s, d, "the failover")
+	d.stop()
+}
+
+// TestLockLossSeenWhileStagesFull: the lock connection ends (here pg_terminate_backend; as much
+// a firewall's or a pooler's cut, or a server that vanished) while every stage is full and its
+// workers busy in their handlers. No reply comes, so no claim is asked for, and the heartbeat's
+// claim has nothing to take: nothing went over the lock connection, and its loss went unseen
+// for as long as the handlers ran, a standby free to take over meanwhile. The heartbeat now
+// proves the connection when its claim sent nothing: the loss is seen within a POLL_INTERVAL
+// or so, the lock taken again on the same server, and the workers, whose sessions are there
+// still, are left alone.
+func TestLockLossSeenWhileStagesFull(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 2"), "pipeline")
+	for range 2 {
+		insertOne(t, s, "a", `{"hang_at": "a"}`)
+	}
+	waitFor(t, 30*time.Second, "both messages running", func() bool { return countStatus(t, s, "running") == 2 })
+	d.waitLog("worker started", 10*time.Second)
+	if n := s.count(t, `SELECT count(pg_terminate_backend(l.pid)) FROM pg_locks l
+		WHERE l.locktype = 'advisory' AND l.classid = $1 AND l.objid = to_regclass('workqueue')::oid::bigint`, lockClass); n != 1 {
+		t.Fatalf("terminated %d lock sessions, want 1", n)
+	}
+	cut := time.Now()
+	// POLL_INTERVAL = 1 (baseConf): a heartbeat a second, and a margin for a loaded machine.
+	d.waitLog("single-instance lock taken again", 15*time.Second)
+	t.Logf("lock taken again %v after its session was ended", time.Since(cut).Round(time.Millisecond))
+	if !strings.Contains(d.log.String(), `op="prove the lock connection"`) {
+		t.Errorf("the loss was not seen by the heartbeat's proof of the lock connection")
+	}
+	if strings.Contains(d.log.String(), "its session was on the one that went away") {
+		t.Errorf("a worker was killed though the lock is on the server its session is on")
+	}
+	if n := countStatus(t, s, "running"); n != 2 {
+		t.Errorf("%d rows running after the re-lock, want the 2 the worker holds", n)
+	}
+}
+
+// TestRelockAfterRestartRetiresWorkers: the server restarts while the worker is busy in its
+// handler, and comes back at the same address (as a virtual IP or a DNS name moved to a
+// promoted standby does). The lock is taken again there, and the postmaster's start time says
+// it is another run of the server: the worker's session, opened before, is not on it. The
+// worker is killed and its messages claimed again by a new one, no attempt charged; by the
+// address alone it was kept, to learn of its lost session only at its next statement, or, had
+// the machine behind the address vanished, to wait on it for minutes
+// (TestFailoverPrimaryVanishes).
+func TestRelockAfterRestartRetiresWorkers(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a PostgreSQL cluster")
+	}
+	p := newPGNodes(t, 1, "pepsi-test-restart-")
+	s := p.schema(t)
+	s.exec(t, runsDDL)
+	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 2"), "pipeline")
+	for range 2 {
+		insertOne(t, s, "a", `{"hang_at": "a"}`)
+	}
+	// In its handler: its batch loaded (the SDK sends BEGIN with its first write, which a
+	// hung handler never makes). A restart before the load is the worker's own to see, there.
+	waitFor(t, 30*time.Second, "the worker in its handler", func() bool {
+		return poll(s, `SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'pepsi-worker %'
+			AND state = 'idle' AND query LIKE 'SELECT workqueue_id, attempts, payload, state FROM workqueue%'`) == 1
+	})
+	before := workerPids(t, d)
+	if len(before) != 1 {
+		t.Fatalf("worker pids %v, want one", before)
+	}
+	p.run("restart", p.dirs[0])
+	d.waitLog("single-instance lock taken again", 60*time.Second)
+	d.waitLog("its session was on the one that went away", 10*time.Second)
+	waitFor(t, 30*time.Second, "both messages with a new worker", func() bool {
+		now := workerPids(t, d)
+		return len(now) == 1 && now[0] != before[0] &&
+			poll(s, `SELECT count(*) FROM workqueue WHERE status = 'running'`) == 2
+	})
+	if n := poll(s, `SELECT count(*) FROM workqueue WHERE attempts <> 0`); n != 0 {
+		t.Errorf("%d messages charged an attempt for the restart", n)
+	}
 }

@@ -47,7 +47,7 @@ type instance struct {
 	key   int32     // second half of the advisory lock key: the workqueue table's oid
 	epoch int64     // our start's number in dispatch_instance
 
-	server    string        // the server the lock session is on (host:port), for the log and /metrics
+	server    dbServer      // the server the lock session is on: its address (the log, /metrics), its run
 	keepalive time.Duration // LOCK_KEEPALIVE, applied to every lock session
 }
 
@@ -122,19 +122,19 @@ func acquire(ctx context.Context, db *sql.DB, dc DispatchConfig, log *slog.Logge
 			conn.Close()
 			return nil, fmt.Errorf("%w (%s); refusing to start a second one", errLockHeld, holder)
 		}
-		ha.update(func(s *haStatus) { s.role, s.server = "standby", server })
-		log.Info("standby: another dispatcher holds the single-instance lock; waiting for it", "holder", holder, "server", server)
+		ha.update(func(s *haStatus) { s.role, s.server = "standby", server.addr })
+		log.Info("standby: another dispatcher holds the single-instance lock; waiting for it", "holder", holder, "server", server.addr)
 		start := time.Now()
 		if server, err = waitForLock(ctx, conn, key, sigs); err != nil {
 			conn.Close()
 			return nil, err
 		}
-		log.Info("standby: took over the single-instance lock", "previous", holder, "server", server,
+		log.Info("standby: took over the single-instance lock", "previous", holder, "server", server.addr,
 			"waited", time.Since(start).Round(time.Millisecond))
 		tookOver = true
 	}
 	ha.update(func(s *haStatus) {
-		s.role, s.server = "active", server
+		s.role, s.server = "active", server.addr
 		if tookOver {
 			s.takeovers++
 		}
@@ -243,7 +243,9 @@ func (in *instance) resetOrphans(ctx context.Context) (orphans []*message, writt
 
 // relock replaces a lost lock connection. It succeeds only if the lock is free and no other
 // dispatcher started meanwhile (the epoch is still ours); otherwise the caller must exit.
-func (in *instance) relock(ctx context.Context) error {
+// moved says the lock is now on another server than before, or on the same after a restart:
+// no session opened before the loss can be open on it.
+func (in *instance) relock(ctx context.Context) (moved bool, err error) {
 	if in.conn != nil {
 		// Broken, or alive on a server that went read-only: either way its session must end
 		// (and with it any lock it still holds there), not go back to the pool.
@@ -252,32 +254,33 @@ func (in *instance) relock(ctx context.Context) error {
 	}
 	conn, err := in.db.Conn(ctx)
 	if err != nil {
-		return fmt.Errorf("reconnect: %w", err)
+		return false, fmt.Errorf("reconnect: %w", err)
 	}
 	if err := lockKeepalive(ctx, conn, in.keepalive); err != nil {
 		conn.Close()
-		return err
+		return false, err
 	}
 	got, server, err := takeLock(ctx, conn, in.key, false)
 	if err != nil {
 		conn.Close()
-		return fmt.Errorf("take single-instance lock again: %w", err)
+		return false, fmt.Errorf("take single-instance lock again: %w", err)
 	}
 	if !got {
 		conn.Close()
-		return fmt.Errorf("%w: another dispatcher holds it now", errLockLost)
+		return false, fmt.Errorf("%w: another dispatcher holds it now", errLockLost)
 	}
 	var epoch int64
 	if err := conn.QueryRowContext(ctx, `SELECT epoch FROM dispatch_instance WHERE id = 1`).Scan(&epoch); err != nil {
 		conn.Close()
-		return fmt.Errorf("read epoch: %w", err)
+		return false, fmt.Errorf("read epoch: %w", err)
 	}
 	if epoch != in.epoch {
 		conn.Close()
-		return fmt.Errorf("%w: another dispatcher ran while it was lost (epoch %d, ours %d)", errLockLost, epoch, in.epoch)
+		return false, fmt.Errorf("%w: another dispatcher ran while it was lost (epoch %d, ours %d)", errLockLost, epoch, in.epoch)
 	}
+	moved = !server.same(in.server)
 	in.conn, in.server = conn, server
-	return nil
+	return moved, nil
 }
 
 func (in *instance) close() {

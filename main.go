@@ -275,7 +275,7 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 		return err
 	}
 	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphansReset,
-		"orphans_held", len(orphansHeld)+len(orphansRefused), "server", inst.server)
+		"orphans_held", len(orphansHeld)+len(orphansRefused), "server", inst.server.addr)
 	work, err := openWorkPool(cfg, inst) // db keeps the lock connection alone
 	if err != nil {
 		return err

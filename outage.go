@@ -19,7 +19,7 @@ func (c *coordinator) dbTrouble(what string, err error) {
 	// read-only) is as good as a lost connection: the lock must not stay there (failover.go).
 	if isOutage(err) || c.inst.conn == nil || c.pingLock() != nil {
 		c.log.Error("database connection lost; claims stop until the lock is taken again", "op", what, "err", err,
-			"server", c.inst.server)
+			"server", c.inst.server.addr)
 		if c.locked {
 			c.outageAt = time.Now() // the workers started before this had sessions on that server
 		}
@@ -44,7 +44,9 @@ func (c *coordinator) refusedByDatabase(err error) bool {
 	return err != nil && !isOutage(err) && c.ctx.Err() == nil && c.inst.conn != nil && c.pingLock() == nil
 }
 
-// pingLock checks the lock connection, without letting a hung server hold the loop.
+// pingLock checks the lock connection: the context bounds a server that answers slowly (lib/pq
+// cancels the statement); one whose machine vanished is bounded by the connection's Dialer
+// (LOCK_KEEPALIVE), since lib/pq's read waits for the socket whatever the context says.
 func (c *coordinator) pingLock() error {
 	ctx, cancel := context.WithTimeout(c.ctx, 5*time.Second)
 	defer cancel()
@@ -54,17 +56,17 @@ func (c *coordinator) pingLock() error {
 // relock tries to take the single-instance lock again after its connection was lost.
 func (c *coordinator) relock() {
 	ctx, cancel := c.budget()
-	err := c.inst.relock(ctx)
+	moved, err := c.inst.relock(ctx)
 	cancel()
 	switch {
 	case err == nil:
-		c.log.Info("single-instance lock taken again; claims resume", "server", c.inst.server)
+		c.log.Info("single-instance lock taken again; claims resume", "server", c.inst.server.addr)
 		c.locked = true
 		c.relockBackoff.reset()
 		c.dbBackoff.reset()
 		c.dbWaiting = false
 		c.claimWanted, c.retryWanted = true, true
-		c.afterRelock()
+		c.afterRelock(moved)
 	case errors.Is(err, errLockLost):
 		c.fatal = err
 	default:

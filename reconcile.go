@@ -185,8 +185,11 @@ func (c *coordinator) reconcile() (reconcileCounts, error) {
 
 // afterRelock runs the reconcile once the lock is ours again, before the next claim, and
 // reports it; a refusal is handled like any statement the database refused (the claim waits).
-func (c *coordinator) afterRelock() {
-	c.ha.update(func(s *haStatus) { s.role, s.server = "active", c.inst.server })
+func (c *coordinator) afterRelock(moved bool) {
+	c.ha.update(func(s *haStatus) { s.role, s.server = "active", c.inst.server.addr })
+	if moved {
+		c.retireStranded()
+	}
 	n, err := c.reconcile()
 	if err != nil {
 		c.dbTrouble("reconcile", err)
@@ -199,5 +202,5 @@ func (c *coordinator) afterRelock() {
 		s.outageRetried += int64(n.outageRetried)
 	})
 	c.log.Info("reconciled the table with memory", "running_reset", n.reset, "running_held", n.held,
-		"forgotten", n.forgotten, "outage_failures_retried", n.outageRetried, "server", c.inst.server)
+		"forgotten", n.forgotten, "outage_failures_retried", n.outageRetried, "server", c.inst.server.addr)
 }

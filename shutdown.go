@@ -84,7 +84,7 @@ func (c *coordinator) writeLeftovers() {
 	var refused []int64
 	err := withRetry(c.ctx, dbStatementBudget, "write outcomes at shutdown", func(ctx context.Context) error {
 		if c.inst.conn == nil {
-			if err := c.inst.relock(ctx); err != nil {
+			if _, err := c.inst.relock(ctx); err != nil {
 				return err
 			}
 		}

@@ -81,7 +81,7 @@ func connect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.
 func tryConnect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan os.Signal, ha *haBoard) (*instance, *sql.DB, error) {
 	own := dsnOwn(cfg.DSN)
 	// The system key (the workqueue table's oid) names our sessions; learn it first.
-	boot, err := pgsession.Open(dsnWith(own, "application_name", appDispatch))
+	boot, err := pgsession.Open(dsnWith(own, "application_name", appDispatch), cfg.Dispatch.LockKeepalive)
 	if err != nil {
 		return nil, nil, fmt.Errorf("open database: %w", err)
 	}
@@ -90,7 +90,7 @@ func tryConnect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan 
 	if err != nil {
 		return nil, nil, err
 	}
-	db, err := pgsession.Open(dsnWith(own, "application_name", fmt.Sprintf("%s %d", appDispatch, key)))
+	db, err := pgsession.Open(dsnWith(own, "application_name", fmt.Sprintf("%s %d", appDispatch, key)), cfg.Dispatch.LockKeepalive)
 	if err != nil {
 		return nil, nil, fmt.Errorf("open database: %w", err)
 	}
@@ -108,7 +108,7 @@ func tryConnect(ctx context.Context, cfg *Config, log *slog.Logger, sigs <-chan 
 
 // waitForLock blocks in the server until the lock is ours (the holder's session ended), or a
 // signal arrives (errStopped), or the connection fails (the caller starts over).
-func waitForLock(ctx context.Context, conn *sql.Conn, key int32, sigs <-chan os.Signal) (server string, err error) {
+func waitForLock(ctx context.Context, conn *sql.Conn, key int32, sigs <-chan os.Signal) (server dbServer, err error) {
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	quit := make(chan struct{})
@@ -127,7 +127,7 @@ func waitForLock(ctx context.Context, conn *sql.Conn, key int32, sigs <-chan os.
 	close(quit)
 	wg.Wait()
 	if stopped != nil {
-		return "", fmt.Errorf("%w (%s)", errStopped, stopped)
+		return dbServer{}, fmt.Errorf("%w (%s)", errStopped, stopped)
 	}
 	if err != nil {
 		return server, err

@@ -102,7 +102,7 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	if err := dsnsecret.Check(dsn); err != nil {
 		return fail(exitUsage, fmt.Errorf("database DSN (%s): %w", from, err))
 	}
-	db, err := pgsession.Open(withAppName(dsn))
+	db, err := pgsession.Open(withAppName(dsn), pgsession.DefaultVanish)
 	if err != nil {
 		return fail(exitUsage, fmt.Errorf("database DSN (%s): %w", from, err))
 	}

@@ -30,6 +30,7 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"fmt"
+	"time"
 
 	"github.com/lib/pq"
 )
@@ -43,14 +44,20 @@ const setStatements = "SET default_transaction_isolation = 'read committed'; " +
 // same statement when they connect (stage/conn.go, python/pepsi_stage.py).
 const NoIdleTimeout = "SELECT set_config('idle_session_timeout', '0', false) WHERE current_setting('idle_session_timeout', true) <> '0'"
 
-// Open is sql.Open("postgres", dsn) whose connections are READ COMMITTED and never ended by
-// the server for being idle. A DSN that does not parse is an error here, not at the first
-// connection.
-func Open(dsn string) (*sql.DB, error) {
+// DefaultVanish is how long pepsi's sessions wait on a server whose machine vanished before
+// they give it up (vanish.go), unless told otherwise (the dispatcher's LOCK_KEEPALIVE).
+const DefaultVanish = 10 * time.Second
+
+// Open is sql.Open("postgres", dsn) whose connections are READ COMMITTED, never ended by the
+// server for being idle, and given up within vanish when their server's machine vanishes
+// (Dialer; 0: the system's TCP defaults). A DSN that does not parse is an error here, not at
+// the first connection.
+func Open(dsn string, vanish time.Duration) (*sql.DB, error) {
 	c, err := pq.NewConnector(dsn)
 	if err != nil {
 		return nil, err
 	}
+	c.Dialer(Dialer{Vanish: vanish})
 	return sql.OpenDB(connector{c}), nil
 }
 
