@@ -866,3 +866,51 @@ func TestRelockAfterRestartRetiresWorkers(t *testing.T) {
 		t.Errorf("%d messages charged an attempt for the restart", n)
 	}
 }
+
+// TestStandbyTakesOverFromVanishedHolder: the active dispatcher's machine vanishes (its network
+// cut: the dispatcher and its workers run in a network namespace that reaches the server by one
+// link, set down mid-run). The server hears nothing more from the holder's lock session and
+// ends it within LOCK_KEEPALIVE (its keepalives, set by the lock session), which frees the lock:
+// the standby takes over, fences the holder's workers and runs every message once. When the
+// network comes back, the old dispatcher finds its lock gone and held, and exits 1. This is the
+// "machine vanishes" row of doc/high-availability.md's table, measured there by hand before.
+func TestStandbyTakesOverFromVanishedHolder(t *testing.T) {
+	p := newPGNodes(t, 1, "pepsi-test-holder-")
+	ns := newTestNetns(t, 1)
+	serveOn(t, p.script, p.dirs[0], ns.hostAddr[0], ns.nsAddr[0])
+	s := p.schema(t)
+	s.exec(t, runsDDL)
+	conf := strings.Replace(threeStages(t, s), "SHUTDOWN_GRACE = 5", "SHUTDOWN_GRACE = 5\nSTANDBY = yes", 1)
+	over := fmt.Sprintf("host=%s port=%s user=postgres dbname=postgres sslmode=disable options='-c search_path=%s'",
+		ns.hostAddr[0], p.ports[0], s.Name)
+	holder := startDaemonWrapped(t, ns.wrap, strings.Replace(conf, s.DSN, over, 1), "pipeline")
+	holder.waitLog("dispatching", 60*time.Second)
+	standby := startDaemon(t, conf, "pipeline")
+	standby.waitLog("standby: another dispatcher holds the single-instance lock; waiting for it", 30*time.Second)
+	const n = 300
+	enqueue(t, s, "a", n, `{"sleep_ms": 20}`)
+	waitFor(t, 60*time.Second, "some progress", func() bool { return poll(s, `SELECT count(*) FROM runs`) >= n/4 })
+	ns.cut(0)
+	cut := time.Now()
+	standby.waitLog("took over the single-instance lock", 60*time.Second)
+	took := time.Since(cut)
+	waitFor(t, 120*time.Second, "all done after the takeover", func() bool {
+		return poll(s, `SELECT count(*) FROM workqueue WHERE status = 'done'`) == n
+	})
+	t.Logf("takeover %v after the holder's network was cut, every message done %v after", took.Round(time.Millisecond),
+		time.Since(cut).Round(time.Millisecond))
+	// LOCK_KEEPALIVE is 10 s: the server's probes start after 5 s of silence, 1 s apart.
+	if took > 20*time.Second {
+		t.Errorf("takeover %v after the cut, want within LOCK_KEEPALIVE (10 s) and a margin", took.Round(time.Millisecond))
+	}
+	checkExactlyOnce(t, s, n)
+	ns.heal(0)
+	if st := holder.wait(60 * time.Second); st != 1 {
+		t.Errorf("the old dispatcher exited %d once its network came back, want 1", st)
+	}
+	if !strings.Contains(holder.log.String(), "single-instance lock lost") {
+		t.Errorf("the old dispatcher did not say it lost its lock")
+	}
+	checkExactlyOnce(t, s, n)
+	standby.stop()
+}

@@ -92,6 +92,14 @@ func (n *testNetns) cut(i int) {
 	}
 }
 
+// heal brings the host's end of link i back: what the namespace sends is answered again.
+func (n *testNetns) heal(i int) {
+	n.t.Helper()
+	if out, err := exec.Command("ip", "link", "set", n.hostIf[i], "up").CombinedOutput(); err != nil {
+		n.t.Fatalf("ip link set %s up: %v\n%s", n.hostIf[i], err, out)
+	}
+}
+
 // wrap returns argv run inside the namespace (ip netns exec: the same process, moved).
 func (n *testNetns) wrap(argv ...string) []string {
 	return append([]string{"ip", "netns", "exec", n.name}, argv...)
