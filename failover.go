@@ -196,6 +196,8 @@ type haStatus struct {
 	forgotten     int64 // held messages whose row was no longer our claim
 	outageRetried int64 // failures of the outage or of a full disk (diskfull.go), retried without an attempt
 	takeovers     int64 // 1 once this instance took the lock over from another (standby)
+
+	waitedFor string // the holder a standby last waited for, until it holds the lock (acquire)
 }
 
 // haBoard publishes haStatus; the zero value publishes nothing until the first set.

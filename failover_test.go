@@ -737,37 +737,81 @@ func ordinaryOwner(t *testing.T, s *testSchema, ddl string) string {
 }
 
 // TestFailoverPrimaryVanishes: the primary's machine vanishes mid-run (its network gone, so
-// nothing it says reaches the dispatcher any more: no FIN, no RST; its server dies with it)
-// and the standby is promoted. The dispatcher and its workers run in a network namespace that
-// reaches each server through a link of its own (netns_test.go). A primary that stops closes
-// its sockets and the dispatcher learns it at its next statement (TestFailoverMidRun); here it
-// learns nothing, and a statement on the vanished server waited for the kernel's TCP
-// retransmissions to give up (net.ipv4.tcp_retries2: about 15 minutes), every new connection
-// for its SYNs to (about 2 minutes) before lib/pq tried the next host. The dispatcher must
-// take its lock on the new primary within LOCK_KEEPALIVE's bound and finish every message
-// once, none charged, as when a primary stops.
+// nothing it says reaches the dispatcher any more: no FIN, no RST, its SYNs lost as beyond a
+// router; its server dies with it) and the standby is promoted. The dispatcher and its workers
+// run in a network namespace that reaches each server through a link of its own
+// (netns_test.go). A primary that stops closes its sockets and the dispatcher learns it at its
+// next statement (TestFailoverMidRun); here it learns nothing. A statement on the vanished
+// server waited for the kernel's retransmissions to give up (net.ipv4.tcp_retries2: about 15
+// minutes); every new connection tried the vanished first host to the end of its statement's
+// budget, leaving none for the promoted standby listed second, so that the dispatcher never
+// reached it; a worker started after the re-lock waited on its SYNs (about 2 minutes). The
+// lock must be taken on the new primary within LOCK_KEEPALIVE's bound and every message
+// finished once, none charged, as when a primary stops; beside a standby dispatcher, either
+// may win the lock.
 func TestFailoverPrimaryVanishes(t *testing.T) {
+	for _, withStandby := range []bool{false, true} {
+		name := "alone"
+		if withStandby {
+			// A standby dispatcher on a machine of its own (another namespace) whose lock wait
+			// is on the same vanished primary: the two race for the lock on the new one, and
+			// either may win.
+			name = "beside a standby dispatcher"
+		}
+		t.Run(name, func(t *testing.T) { primaryVanishes(t, withStandby) })
+	}
+}
+
+func primaryVanishes(t *testing.T, withStandby bool) {
 	p := newPGPair(t)
-	ns := newTestNetns(t, 2)
+	machines := []*testNetns{newTestNetns(t, 2)}
+	if withStandby {
+		machines = append(machines, newTestNetns(t, 2))
+	}
 	for i := range 2 {
-		serveOn(t, p.script, p.dirs[i], ns.hostAddr[i], ns.nsAddr[i])
+		var addrs, peers []string
+		for _, m := range machines {
+			addrs, peers = append(addrs, m.hostAddr[i]), append(peers, m.nsAddr[i])
+		}
+		serveOn(t, p.script, p.dirs[i], addrs, peers)
 	}
 	s := p.schema(t)
 	s.exec(t, runsDDL)
-	dsn := fmt.Sprintf("host=%s,%s port=%s,%s user=postgres dbname=postgres sslmode=disable "+
-		"target_session_attrs=read-write options='-c search_path=%s'",
-		ns.hostAddr[0], ns.hostAddr[1], p.ports[0], p.ports[1], s.Name)
-	conf := strings.Replace(threeStages(t, s), s.DSN, dsn, 1)
-	d := startDaemonWrapped(t, ns.wrap, conf, "pipeline")
+	conf := strings.Replace(threeStages(t, s), "SHUTDOWN_GRACE = 5", "SHUTDOWN_GRACE = 5\nSTANDBY = yes", 1)
+	confOn := func(m *testNetns) string {
+		dsn := fmt.Sprintf("host=%s,%s port=%s,%s user=postgres dbname=postgres sslmode=disable "+
+			"target_session_attrs=read-write options='-c search_path=%s'",
+			m.hostAddr[0], m.hostAddr[1], p.ports[0], p.ports[1], s.Name)
+		return strings.Replace(conf, s.DSN, dsn, 1)
+	}
+	d := startDaemonWrapped(t, machines[0].wrap, confOn(machines[0]), "pipeline")
 	d.waitLog("dispatching", 60*time.Second)
+	var sb *daemon
+	var sbMetrics string
+	if withStandby {
+		// /metrics on the standby's machine, reached from here by its link to the standby
+		// server, which stays up.
+		_, port, _ := strings.Cut(freePort(t), ":")
+		sbMetrics = machines[1].nsAddr[1] + ":" + port
+		sbConf := strings.Replace(confOn(machines[1]), "STANDBY = yes", "STANDBY = yes\nMETRICS_LISTEN = "+sbMetrics, 1)
+		sb = startDaemonWrapped(t, machines[1].wrap, sbConf, "pipeline")
+		sb.waitLog("standby: another dispatcher holds the single-instance lock; waiting for it", 60*time.Second)
+	}
 	const n = 300
 	enqueue(t, s, "a", n, `{"sleep_ms": 20}`)
 	waitFor(t, 120*time.Second, "the batch under way", func() bool { return poll(s, `SELECT count(*) FROM runs`) >= n/4 })
-	ns.cut(0)       // the primary's machine vanishes for the dispatcher and its workers,
-	p.killPrimary() // and its server with it: what it says as it stops is lost on the cut link
+	for _, m := range machines {
+		m.cut(0) // the primary's machine vanishes for the dispatchers and their workers,
+	}
+	p.killPrimary() // and its server with it: what it says as it stops is lost on the cut links
 	p.promote()
 	promoted := time.Now()
-	waitFor(t, 3*time.Minute, "the lock re-taken on the new primary", func() bool {
+	winner := d
+	waitFor(t, 3*time.Minute, "the lock taken on the new primary", func() bool {
+		if sb != nil && strings.Contains(sb.log.String(), "took over the single-instance lock") {
+			winner = sb
+			return true
+		}
 		return strings.Contains(d.log.String(), "single-instance lock taken again")
 	})
 	relocked := time.Since(promoted)
@@ -775,18 +819,39 @@ func TestFailoverPrimaryVanishes(t *testing.T) {
 		return poll(s, `SELECT count(*) FROM workqueue WHERE status = 'done'`) == n
 	})
 	finished := time.Since(promoted)
-	t.Logf("after the promotion: lock re-taken in %v, every message done in %v", relocked.Round(time.Millisecond), finished.Round(time.Millisecond))
+	who := "the dispatcher re-took the lock"
+	if winner == sb {
+		who = "the standby took the lock over"
+	}
+	t.Logf("after the promotion: %s in %v, every message done in %v", who, relocked.Round(time.Millisecond), finished.Round(time.Millisecond))
 	// LOCK_KEEPALIVE (10 s) to notice, one connect attempt on the vanished host, then the
 	// new primary: 30 s leaves room for a loaded machine, and is far from the kernel's minutes.
 	if relocked > 30*time.Second {
-		t.Errorf("the lock was taken again %v after the promotion, want within 30 s", relocked.Round(time.Millisecond))
+		t.Errorf("the lock was taken %v after the promotion, want within 30 s", relocked.Round(time.Millisecond))
 	}
 	if finished > 45*time.Second {
 		t.Errorf("every message was done %v after the promotion, want within 45 s", finished.Round(time.Millisecond))
 	}
 	checkExactlyOnce(t, s, n)
-	checkRodeOut(t, s, d, "the failover")
-	d.stop()
+	checkRodeOut(t, s, winner, "the failover")
+	if winner == sb {
+		// Taken over, and said so, whether its wait returned or was cut with its session
+		// and the lock found free at the next attempt.
+		if body := scrape(sbMetrics); !strings.Contains(body, "pepsi_takeovers_total 1") {
+			t.Errorf("the standby's metrics do not count its takeover:\n%s", body)
+		}
+		// The dispatcher that lost: its re-lock finds the lock held, and it exits 1.
+		if st := d.wait(60 * time.Second); st != 1 {
+			t.Errorf("the dispatcher the standby took over from exited %d, want 1", st)
+		}
+	} else if sb != nil {
+		select {
+		case <-sb.done:
+			t.Errorf("the standby dispatcher exited (status %d) when the other one kept the lock", sb.status)
+		default:
+		}
+	}
+	winner.stop()
 }
 
 // TestLockLossSeenWhileStagesFull: the lock connection ends (here pg_terminate_backend; as much
@@ -877,7 +942,7 @@ func TestRelockAfterRestartRetiresWorkers(t *testing.T) {
 func TestStandbyTakesOverFromVanishedHolder(t *testing.T) {
 	p := newPGNodes(t, 1, "pepsi-test-holder-")
 	ns := newTestNetns(t, 1)
-	serveOn(t, p.script, p.dirs[0], ns.hostAddr[0], ns.nsAddr[0])
+	serveOn(t, p.script, p.dirs[0], ns.hostAddr[:1], ns.nsAddr[:1])
 	s := p.schema(t)
 	s.exec(t, runsDDL)
 	conf := strings.Replace(threeStages(t, s), "SHUTDOWN_GRACE = 5", "SHUTDOWN_GRACE = 5\nSTANDBY = yes", 1)

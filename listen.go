@@ -55,7 +55,7 @@ type listener struct {
 // keeper. work, the pool's sessions, tells the role's idle_session_timeout. close stops both.
 func openListener(ctx context.Context, cfg *Config, inst *instance, work *sql.DB, log *slog.Logger) (*listener, error) {
 	l := &listener{events: make(chan listenEvent, 16)}
-	l.Listener = pq.NewDialListener(pgsession.Dialer{Vanish: cfg.Dispatch.LockKeepalive}, dsnWith(dsnOwn(cfg.DSN), "application_name", inst.appName(appDispatch)),
+	l.Listener = pq.NewDialListener(pgsession.DialerFor(cfg.DSN, cfg.Dispatch.LockKeepalive), dsnWith(dsnOwn(cfg.DSN), "application_name", inst.appName(appDispatch)),
 		100*time.Millisecond, listenerMaxReconnect, func(ev pq.ListenerEventType, err error) {
 			switch ev {
 			case pq.ListenerEventDisconnected:

@@ -78,6 +78,14 @@ func newTestNetns(t testing.TB, links int) *testNetns {
 		run("link", "set", hostIf, "up")
 		run("-n", n.name, "addr", "add", ns+"/30", "dev", nsIf)
 		run("-n", n.name, "link", "set", nsIf, "up")
+		// The host's address resolved for good: once the link is cut, what the namespace sends
+		// there goes out and is lost, as beyond a router, rather than failing at once for want
+		// of an ARP answer ("no route to host"), as on a LAN whose cache has expired.
+		mac, err := os.ReadFile(filepath.Join("/sys/class/net", hostIf, "address"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		run("-n", n.name, "neigh", "replace", host, "lladdr", strings.TrimSpace(string(mac)), "dev", nsIf, "nud", "permanent")
 		n.hostAddr, n.nsAddr = append(n.hostAddr, host), append(n.nsAddr, ns)
 	}
 	return n
@@ -105,9 +113,9 @@ func (n *testNetns) wrap(argv ...string) []string {
 	return append([]string{"ip", "netns", "exec", n.name}, argv...)
 }
 
-// serveOn makes the cluster in dir of pg-private listen on addr too and take connections from
-// peer there, and restarts it.
-func serveOn(t testing.TB, script, dir, addr, peer string) {
+// serveOn makes the cluster in dir of pg-private listen on addrs too and take connections from
+// peers, and restarts it.
+func serveOn(t testing.TB, script, dir string, addrs, peers []string) {
 	t.Helper()
 	appendTo := func(file, line string) {
 		f, err := os.OpenFile(filepath.Join(dir, "data", file), os.O_APPEND|os.O_WRONLY, 0)
@@ -119,8 +127,10 @@ func serveOn(t testing.TB, script, dir, addr, peer string) {
 			t.Fatal(err)
 		}
 	}
-	appendTo("postgresql.conf", fmt.Sprintf("listen_addresses = '127.0.0.1,%s'", addr))
-	appendTo("pg_hba.conf", fmt.Sprintf("host all all %s/32 trust", peer))
+	appendTo("postgresql.conf", fmt.Sprintf("listen_addresses = '127.0.0.1,%s'", strings.Join(addrs, ",")))
+	for _, peer := range peers {
+		appendTo("pg_hba.conf", fmt.Sprintf("host all all %s/32 trust", peer))
+	}
 	if out, err := exec.Command(script, "restart", dir).CombinedOutput(); err != nil {
 		t.Fatalf("pg-private restart %s: %v\n%s", dir, err, out)
 	}

@@ -125,6 +125,18 @@ TRANSIENT_TRIES = 8
 """Times in all a batch, or an outcome statement sent alone, is run when each try ends in a
 serialization failure or a deadlock: then the last error fails its messages as any other."""
 
+# The connection parameters that give up on a vanished server (connect): libpq's keyword, the
+# environment variable that sets it instead, and the value, on the schedule of the
+# dispatcher's LOCK_KEEPALIVE default (internal/pgsession/vanish.go): probes after 5 s of
+# silence, then every second, 10 s in all; 5 s for a connect, per host.
+_VANISH_PARAMS = (
+    ("connect_timeout", "PGCONNECT_TIMEOUT", "5"),
+    ("keepalives_idle", "", "5"),
+    ("keepalives_interval", "", "1"),
+    ("keepalives_count", "", "5"),
+    ("tcp_user_timeout", "", "10000"),
+)
+
 _NO_IDLE_TIMEOUT = ("SELECT set_config('idle_session_timeout', '0', false) "
                     "WHERE current_setting('idle_session_timeout', true) <> '0'")
 # Sent once per connection: turns idle_session_timeout off where the server has it (PostgreSQL
@@ -807,10 +819,19 @@ class _Server:
         # parameter, which poolers (PgBouncer) forward.
         kwargs: Dict[str, Any] = {"autocommit": True, "client_encoding": "UTF8"}
         try:
-            if "application_name" not in psycopg.conninfo.conninfo_to_dict(self.cfg.dsn):
-                kwargs["application_name"] = "pepsi-stage-" + self.cfg.stage
+            given = psycopg.conninfo.conninfo_to_dict(self.cfg.dsn)
         except psycopg.ProgrammingError as e:
             raise _Fatal(f"parse DSN: {e}") from e
+        if "application_name" not in given:
+            kwargs["application_name"] = "pepsi-stage-" + self.cfg.stage
+        # A server whose machine vanished (no FIN, no RST) is given up within 10 s, as the
+        # dispatcher and the Go SDK give it up, and a connect to one within 5 s per host: a
+        # worker started after a failover tried the DSN's vanished first host for as long as
+        # the kernel resends its SYNs (about 2 minutes behind a router) before the promoted
+        # standby listed second. What the DSN or libpq's environment sets stands.
+        for key, env, value in _VANISH_PARAMS:
+            if key not in given and not (env and env in os.environ):
+                kwargs[key] = value
         self.conn = psycopg.connect(self.cfg.dsn, **kwargs)
         # The session is idle between batches, for up to the dispatcher's WORKER_IDLE_TIMEOUT:
         # a role's idle_session_timeout shorter than that ended it at every quiet spell. The

@@ -23,6 +23,8 @@ import (
 	"unicode/utf8"
 
 	"github.com/lib/pq"
+
+	"pepsi-dispatch/internal/pgsession"
 )
 
 const (
@@ -294,6 +296,12 @@ func connect(ctx context.Context, cfg Config, handlers map[string]Handler) (*ser
 	if err != nil {
 		return nil, fmt.Errorf("configure connection: %w", err)
 	}
+	// A server whose machine vanished is given up within 10 s, as the dispatcher gives it up
+	// (internal/pgsession's Dialer), and a connect to it within 5 s per host unless the DSN
+	// sets connect_timeout: a worker started after a failover tried the DSN's vanished first
+	// host for as long as the kernel resends its SYNs (about 2 minutes behind a router) before
+	// the promoted standby listed second (TestFailoverPrimaryVanishes).
+	pconn.Dialer(pgsession.Dialer{Vanish: pgsession.DefaultVanish, ConnectTimeout: pcfg.ConnectTimeout})
 	sess := &session{}
 	db := sql.OpenDB(&onceConnector{pq: pconn, sess: sess})
 	// One connection, kept for the life of the process: database/sql must neither open a

@@ -57,7 +57,7 @@ func Open(dsn string, vanish time.Duration) (*sql.DB, error) {
 	if err != nil {
 		return nil, err
 	}
-	c.Dialer(Dialer{Vanish: vanish})
+	c.Dialer(DialerFor(dsn, vanish))
 	return sql.OpenDB(connector{c}), nil
 }
 

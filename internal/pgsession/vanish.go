@@ -5,19 +5,25 @@
 // statement whose bytes the server never acknowledged waits for the kernel's retransmissions to
 // give up (net.ipv4.tcp_retries2: about 15 minutes on Linux), one whose answer never comes
 // waits for Go's default keepalive (15 s, then 9 probes 15 s apart: 2.5 minutes), and a new
-// connection waits for its SYNs (net.ipv4.tcp_syn_retries: about 2 minutes) before lib/pq tries
-// the DSN's next host. After a failover to a standby that is how long the dispatcher held on
-// to the old primary (TestFailoverPrimaryVanishes). The Dialer bounds each of the three by one
-// duration, the one the lock session asks of the server (LOCK_KEEPALIVE), so that both ends of
-// it give up on a vanished peer alike.
+// connection waits for its SYNs (net.ipv4.tcp_syn_retries: about 2 minutes), or to the end of
+// its statement's budget, before lib/pq tries the DSN's next host. After a failover to a
+// standby that is how long the dispatcher held on to the old primary, or for ever
+// (TestFailoverPrimaryVanishes). The Dialer bounds each of the three by one duration, the one
+// the lock session asks of the server (LOCK_KEEPALIVE), so that both ends of it give up on a
+// vanished peer alike.
 
 package pgsession
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"net"
+	"sync"
 	"syscall"
 	"time"
+
+	"github.com/lib/pq"
 )
 
 // Keepalive is the probe schedule that gives up on a silent peer within d: the first probe
@@ -31,11 +37,25 @@ func Keepalive(d time.Duration) (idle, interval time.Duration, count int) {
 }
 
 // Dialer makes the TCP connections of pepsi's sessions give up on a vanished server within
-// Vanish: keepalive probes on the Keepalive schedule, TCP_USER_TIMEOUT (data unacknowledged
-// for that long ends the connection; Linux), and at most that long for a connection to be
-// accepted unless the DSN's connect_timeout says otherwise. Vanish 0 leaves the system's
-// defaults. Unix sockets are left as they are: their peer cannot vanish.
-type Dialer struct{ Vanish time.Duration }
+// Vanish: keepalive probes on the Keepalive schedule and TCP_USER_TIMEOUT (data unacknowledged
+// for that long ends the connection; Linux). A connect is given half of it per host unless the
+// DSN sets connect_timeout (ConnectTimeout: lib/pq then bounds each host's connect by it), and
+// a host that did not answer one is passed over for Vanish (unanswered). Vanish 0 leaves the
+// system's defaults. Unix sockets are left as they are: their peer cannot vanish.
+type Dialer struct {
+	Vanish         time.Duration
+	ConnectTimeout time.Duration // the DSN's connect_timeout, 0 if it sets none
+}
+
+// DialerFor is the Dialer of the sessions of dsn: its connect_timeout read from it (none when
+// it does not parse, which the connector it is for reports).
+func DialerFor(dsn string, vanish time.Duration) Dialer {
+	cfg, err := pq.NewConfig(dsn)
+	if err != nil {
+		return Dialer{Vanish: vanish}
+	}
+	return Dialer{Vanish: vanish, ConnectTimeout: cfg.ConnectTimeout}
+}
 
 // Dial is lib/pq's Dialer.Dial.
 func (d Dialer) Dial(network, address string) (net.Conn, error) {
@@ -49,16 +69,24 @@ func (d Dialer) DialTimeout(network, address string, timeout time.Duration) (net
 	return d.DialContext(ctx, network, address)
 }
 
-// DialContext is lib/pq's DialerContext.DialContext: a deadline of ctx (connect_timeout, a
-// statement's budget) stands; without one, Vanish bounds the connect.
+// DialContext is lib/pq's DialerContext.DialContext. lib/pq passes the statement's context for
+// every host of the DSN in turn, so a first host that swallowed the connect to the end of the
+// statement's budget left none for the next: behind a router, where a vanished machine's SYNs
+// are lost rather than refused, the dispatcher could then never reach the promoted standby
+// listed second (TestFailoverPrimaryVanishes). Half of Vanish per host leaves the rest of a
+// budget as long as Vanish (the statements' 10 s) to the next.
 func (d Dialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
 	if d.Vanish <= 0 || network == "unix" {
 		var nd net.Dialer
 		return nd.DialContext(ctx, network, address)
 	}
-	if _, ok := ctx.Deadline(); !ok {
+	if err := unanswered.check(network, address); err != nil {
+		return nil, err
+	}
+	bound := max(time.Second, d.Vanish/2)
+	if dl, ok := ctx.Deadline(); d.ConnectTimeout <= 0 && (!ok || time.Until(dl) > bound) {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, d.Vanish)
+		ctx, cancel = context.WithTimeout(ctx, bound)
 		defer cancel()
 	}
 	idle, interval, count := Keepalive(d.Vanish)
@@ -72,5 +100,64 @@ func (d Dialer) DialContext(ctx context.Context, network, address string) (net.C
 			return err
 		},
 	}
-	return nd.DialContext(ctx, network, address)
+	start := time.Now()
+	c, err := nd.DialContext(ctx, network, address)
+	unanswered.note(address, err, time.Since(start), d.Vanish)
+	return c, err
+}
+
+// ErrUnanswered is the error of a connect not tried: the host did not answer the last one.
+var ErrUnanswered = errors.New("not tried: the host did not answer a connect a moment ago")
+
+// unanswered remembers the hosts whose last connect went unanswered (no reply within the bound,
+// no route to them) and passes them over for a while. lib/pq tries a DSN's hosts in order for
+// every new session, and the dispatcher opens several after a failover (the re-lock's, the
+// pool's, the LISTEN connection's, a standby's at its takeover): each paid the wait on the
+// vanished first host again, 3 s on a LAN whose ARP cache expired, the whole bound behind a
+// router (a standby's takeover to its first claim: 6 s here). A connect refused at once
+// (ECONNREFUSED: the machine is up, its server down or starting) costs nothing and is not
+// remembered; a host that answers again is tried again after the while, and at once once
+// any connect to it succeeded.
+var unanswered = unansweredHosts{until: map[string]time.Time{}}
+
+type unansweredHosts struct {
+	mu    sync.Mutex
+	until map[string]time.Time
+}
+
+// check returns ErrUnanswered (as a dial's net.OpError) while address is passed over.
+func (u *unansweredHosts) check(network, address string) error {
+	u.mu.Lock()
+	until, ok := u.until[address]
+	u.mu.Unlock()
+	if ok && time.Now().Before(until) {
+		return &net.OpError{Op: "dial", Net: network, Err: fmt.Errorf("%s: %w", address, ErrUnanswered)}
+	}
+	return nil
+}
+
+// note records how a connect to address ended after took: passed over for d after one that
+// went unanswered, forgotten after one that succeeded.
+func (u *unansweredHosts) note(address string, err error, took, d time.Duration) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	switch {
+	case err == nil:
+		delete(u.until, address)
+	case isUnanswered(err, took):
+		u.until[address] = time.Now().Add(d)
+	}
+}
+
+// isUnanswered: a connect that found no route, or that timed out after a second at least (a
+// live host answers a SYN in milliseconds, and resends come a second apart): not one whose
+// caller's deadline was all but spent when it began, nor one the caller cancelled.
+func isUnanswered(err error, took time.Duration) bool {
+	if errors.Is(err, syscall.EHOSTUNREACH) || errors.Is(err, syscall.ENETUNREACH) {
+		return true
+	}
+	var ne net.Error
+	timedOut := errors.Is(err, context.DeadlineExceeded) || errors.Is(err, syscall.ETIMEDOUT) ||
+		errors.As(err, &ne) && ne.Timeout()
+	return timedOut && took >= time.Second
 }

@@ -429,3 +429,50 @@ def test_queue_statements_unprepared(schema: Schema, worker_factory) -> None:
     assert w.replies(1) == ["0 done"]
     assert w.close() == 0
     assert rows(schema, [probe])[probe][3]["prepared"] == []
+
+
+def test_connect_gives_up_on_a_vanished_server(schema: Schema, monkeypatch) -> None:
+    """A worker's connection asks libpq to give a silent server up as the dispatcher and the
+    Go SDK do: a 5 s connect per host, keepalive probes after 5 s of silence then every
+    second, 10 s for unacknowledged data. A worker started after a failover waited minutes on
+    the DSN's vanished first host before trying the promoted standby. What the DSN or
+    PGCONNECT_TIMEOUT sets stands."""
+    import socket
+
+    import psycopg
+
+    import pepsi_stage
+
+    d = psycopg.conninfo.conninfo_to_dict(schema.dsn)
+    if str(d.get("host", "")).startswith("/"):
+        d["host"] = "127.0.0.1"  # pg-private listens there too: a TCP socket shows its options
+    tcp = psycopg.conninfo.make_conninfo(**d)
+    cases = [(tcp, None, "5"), (tcp + " connect_timeout=7", None, "7"), (tcp, "8", "8")]
+    for dsn, env_timeout, want in cases:
+        if env_timeout is None:
+            monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+        else:
+            monkeypatch.setenv("PGCONNECT_TIMEOUT", env_timeout)
+        cfg = pepsi_stage.load_config(["worker"], {"PEPSI_DSN": dsn, "PEPSI_STAGE": "a"})
+        r, w = os.pipe()
+        srv = pepsi_stage._Server(cfg, {"a": lambda m: m.done()}, r, w)
+        try:
+            srv.connect()
+            params = srv.conn.info.get_parameters()
+            assert params.get("connect_timeout") == want, (dsn, env_timeout, params)
+            for key, value in (("keepalives_idle", "5"), ("keepalives_interval", "1"),
+                               ("keepalives_count", "5"), ("tcp_user_timeout", "10000")):
+                assert params.get(key) == value, (key, params)
+            sock = socket.socket(fileno=srv.conn.pgconn.socket)
+            try:
+                if sock.family == socket.AF_INET:
+                    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 10000
+            finally:
+                sock.detach()
+        finally:
+            if srv.conn is not None:
+                srv.conn.close()
+            os.close(r)
+            os.close(w)
