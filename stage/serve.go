@@ -301,7 +301,7 @@ func connect(ctx context.Context, cfg Config, handlers map[string]Handler) (*ser
 	// sets connect_timeout: a worker started after a failover tried the DSN's vanished first
 	// host for as long as the kernel resends its SYNs (about 2 minutes behind a router) before
 	// the promoted standby listed second (TestFailoverPrimaryVanishes).
-	pconn.Dialer(pgsession.Dialer{Vanish: pgsession.DefaultVanish, ConnectTimeout: pcfg.ConnectTimeout})
+	pconn.Dialer(pgsession.DialerOf(pcfg, pgsession.DefaultVanish))
 	sess := &session{}
 	db := sql.OpenDB(&onceConnector{pq: pconn, sess: sess})
 	// One connection, kept for the life of the process: database/sql must neither open a

@@ -40,21 +40,28 @@ func Keepalive(d time.Duration) (idle, interval time.Duration, count int) {
 // Vanish: keepalive probes on the Keepalive schedule and TCP_USER_TIMEOUT (data unacknowledged
 // for that long ends the connection; Linux). A connect is given half of it per host unless the
 // DSN sets connect_timeout (ConnectTimeout: lib/pq then bounds each host's connect by it), and
-// a host that did not answer one is passed over for Vanish (unanswered). Vanish 0 leaves the
-// system's defaults. Unix sockets are left as they are: their peer cannot vanish.
+// where the DSN lists several hosts, one that did not answer a connect is passed over for
+// Vanish (unanswered): with one host, there is no other to go to. Vanish 0 leaves the system's
+// defaults. Unix sockets are left as they are: their peer cannot vanish.
 type Dialer struct {
 	Vanish         time.Duration
 	ConnectTimeout time.Duration // the DSN's connect_timeout, 0 if it sets none
+	PassOver       bool          // the DSN lists several hosts
 }
 
-// DialerFor is the Dialer of the sessions of dsn: its connect_timeout read from it (none when
-// it does not parse, which the connector it is for reports).
+// DialerOf is the Dialer of the sessions of a DSN parsed into cfg.
+func DialerOf(cfg pq.Config, vanish time.Duration) Dialer {
+	return Dialer{Vanish: vanish, ConnectTimeout: cfg.ConnectTimeout, PassOver: len(cfg.Multi) > 0}
+}
+
+// DialerFor is DialerOf the DSN dsn (with the defaults, when it does not parse: the connector it
+// is for reports that).
 func DialerFor(dsn string, vanish time.Duration) Dialer {
 	cfg, err := pq.NewConfig(dsn)
 	if err != nil {
 		return Dialer{Vanish: vanish}
 	}
-	return Dialer{Vanish: vanish, ConnectTimeout: cfg.ConnectTimeout}
+	return DialerOf(cfg, vanish)
 }
 
 // Dial is lib/pq's Dialer.Dial.
@@ -80,8 +87,10 @@ func (d Dialer) DialContext(ctx context.Context, network, address string) (net.C
 		var nd net.Dialer
 		return nd.DialContext(ctx, network, address)
 	}
-	if err := unanswered.check(network, address); err != nil {
-		return nil, err
+	if d.PassOver {
+		if err := unanswered.check(network, address); err != nil {
+			return nil, err
+		}
 	}
 	bound := max(time.Second, d.Vanish/2)
 	if dl, ok := ctx.Deadline(); d.ConnectTimeout <= 0 && (!ok || time.Until(dl) > bound) {

@@ -86,9 +86,16 @@ func silentAddr(t *testing.T) string {
 
 // TestDialerPassesOverUnanswered: a host that did not answer a connect is passed over at once
 // for a while, so that lib/pq goes on to a DSN's next host without waiting on it again; a host
-// that answers is tried, and a success forgets what was remembered of it.
+// that answers is tried, and a success forgets what was remembered of it. With one host in the
+// DSN there is no other: it is tried every time.
 func TestDialerPassesOverUnanswered(t *testing.T) {
-	d := Dialer{Vanish: 2 * time.Second} // a connect bounded by 1 s
+	if d := DialerFor("host=a,b", time.Second); !d.PassOver {
+		t.Errorf("DialerFor with two hosts does not pass over")
+	}
+	if d := DialerFor("host=a", time.Second); d.PassOver {
+		t.Errorf("DialerFor with one host passes over")
+	}
+	d := Dialer{Vanish: 2 * time.Second, PassOver: true} // a connect bounded by 1 s
 	silent := silentAddr(t)
 	start := time.Now()
 	if _, err := d.DialContext(context.Background(), "tcp", silent); err == nil {
@@ -110,6 +117,11 @@ func TestDialerPassesOverUnanswered(t *testing.T) {
 	}
 	if took := time.Since(start); took > 100*time.Millisecond {
 		t.Errorf("the host passed over took %v", took)
+	}
+	alone := Dialer{Vanish: 2 * time.Second}
+	start = time.Now()
+	if _, err := alone.DialContext(context.Background(), "tcp", silent); errors.Is(err, ErrUnanswered) || time.Since(start) < 900*time.Millisecond {
+		t.Errorf("the only host of a DSN was passed over (%v after %v)", err, time.Since(start).Round(time.Millisecond))
 	}
 
 	// A listener's address remembered as unanswered is passed over until the while is over,
