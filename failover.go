@@ -141,10 +141,15 @@ func isReadOnlyErr(err error) bool {
 // outageMarks are the texts by which a worker's reason or last standard-error line says its
 // database session was cut or refused by a failover: lost connections (lib/pq, database/sql,
 // libpq), the SQLSTATEs of a server shutting down or starting (57P01, 57P02, 57P03) and of a
-// write on a standby (25006), as lib/pq ("... (57P01)") and libpq-based drivers word them.
+// write on a standby (25006), as lib/pq ("... (57P01)") and libpq-based drivers word them; and
+// a server whose machine vanished, as the kernel words the SDKs' sockets giving it up (Go's
+// "connection timed out", "no route to host"; libpq's "could not receive data from server:
+// Connection timed out").
 var outageMarks = []string{
 	"bad connection", "connection refused", "connection reset", "broken pipe", "unexpected EOF",
 	"server closed the connection", "connection to server", "could not connect to any of the hosts",
+	"connection timed out", "Connection timed out", "no route to host", "No route to host",
+	"could not receive data from server", "could not send data to server",
 	"(25006)", "(57P01)", "(57P02)", "(57P03)", "read-only transaction", "hot standby mode",
 	"terminating connection due to administrator command", "the database system is starting up",
 	"the database system is shutting down", "the database system is in recovery mode",

@@ -834,6 +834,13 @@ func primaryVanishes(t *testing.T, withStandby bool) {
 	}
 	checkExactlyOnce(t, s, n)
 	checkRodeOut(t, s, winner, "the failover")
+	// The workers' sockets give the server up about when the dispatcher's do: their deaths
+	// are the outage's, not crashes charged to their head messages.
+	for _, x := range []*daemon{d, sb} {
+		if x != nil && strings.Contains(x.log.String(), "worker crashed") {
+			t.Errorf("a worker's death in the outage was taken for a crash")
+		}
+	}
 	if winner == sb {
 		// Taken over, and said so, whether its wait returned or was cut with its session
 		// and the lock found free at the next attempt.

@@ -219,6 +219,17 @@ func (c *coordinator) onExit(ev workerExit) {
 	c.claimWanted = true
 	reason := exitReason(ev.state, ev.err)
 	log := c.log.With("stage", w.stage, "pid", w.pid)
+	// A worker whose words say it lost its session, while the dispatcher has seen no outage of
+	// its own since the worker started: the lock connection is proven first. A server whose
+	// machine vanished is learnt by both from their sockets giving up, at about the same time,
+	// and the worker's death was taken for a crash ("worker crashed; its head message fails"),
+	// saved from charging only because that failure could not be written before the re-lock
+	// (TestFailoverPrimaryVanishes).
+	if ev.signs.outage && !c.outageWorker(w) && c.locked && c.inst.conn != nil {
+		if err := c.pingLock(); err != nil {
+			c.dbTrouble("a worker lost its database session", err)
+		}
+	}
 	// The one side effect of the classification happens here, before the switch, so the
 	// switch's cases are pure predicates and their order alone decides.
 	// A worker that lost its session to a database outage is neither a program that cannot
