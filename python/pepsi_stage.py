@@ -830,6 +830,8 @@ class _Server:
         # the kernel resends its SYNs (about 2 minutes behind a router) before the promoted
         # standby listed second. What the DSN or libpq's environment sets stands.
         for key, env, value in _VANISH_PARAMS:
+            if key == "tcp_user_timeout" and psycopg.pq.version() < 120000:
+                continue  # a libpq older than 12 refuses the keyword: the probes bound it alone
             if key not in given and not (env and env in os.environ):
                 kwargs[key] = value
         self.conn = psycopg.connect(self.cfg.dsn, **kwargs)
