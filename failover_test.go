@@ -947,6 +947,9 @@ func TestRelockAfterRestartRetiresWorkers(t *testing.T) {
 // network comes back, the old dispatcher finds its lock gone and held, and exits 1. This is the
 // "machine vanishes" row of doc/high-availability.md's table, measured there by hand before.
 func TestStandbyTakesOverFromVanishedHolder(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a PostgreSQL cluster")
+	}
 	p := newPGNodes(t, 1, "pepsi-test-holder-")
 	ns := newTestNetns(t, 1)
 	serveOn(t, p.script, p.dirs[0], ns.hostAddr[:1], ns.nsAddr[:1])
