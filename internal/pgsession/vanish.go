@@ -115,8 +115,8 @@ func (d Dialer) DialContext(ctx context.Context, network, address string) (net.C
 	return c, err
 }
 
-// ErrUnanswered is the error of a connect not tried: the host did not answer the last one.
-var ErrUnanswered = errors.New("not tried: the host did not answer a connect a moment ago")
+// errUnanswered is the error of a connect not tried: the host did not answer the last one.
+var errUnanswered = errors.New("not tried: the host did not answer a connect a moment ago")
 
 // unanswered remembers the hosts whose last connect went unanswered (no reply within the bound,
 // no route to them) and passes them over for a while. lib/pq tries a DSN's hosts in order for
@@ -134,13 +134,13 @@ type unansweredHosts struct {
 	until map[string]time.Time
 }
 
-// check returns ErrUnanswered (as a dial's net.OpError) while address is passed over.
+// check returns errUnanswered (as a dial's net.OpError) while address is passed over.
 func (u *unansweredHosts) check(network, address string) error {
 	u.mu.Lock()
 	until, ok := u.until[address]
 	u.mu.Unlock()
 	if ok && time.Now().Before(until) {
-		return &net.OpError{Op: "dial", Net: network, Err: fmt.Errorf("%s: %w", address, ErrUnanswered)}
+		return &net.OpError{Op: "dial", Net: network, Err: fmt.Errorf("%s: %w", address, errUnanswered)}
 	}
 	return nil
 }

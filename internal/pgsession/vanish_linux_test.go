@@ -108,8 +108,8 @@ func TestDialerPassesOverUnanswered(t *testing.T) {
 	}
 	start = time.Now()
 	_, err := d.DialContext(context.Background(), "tcp", silent)
-	if !errors.Is(err, ErrUnanswered) {
-		t.Fatalf("second connect: %v, want ErrUnanswered", err)
+	if !errors.Is(err, errUnanswered) {
+		t.Fatalf("second connect: %v, want errUnanswered", err)
 	}
 	var ne net.Error
 	if !errors.As(err, &ne) {
@@ -120,7 +120,7 @@ func TestDialerPassesOverUnanswered(t *testing.T) {
 	}
 	alone := Dialer{Vanish: 2 * time.Second}
 	start = time.Now()
-	if _, err := alone.DialContext(context.Background(), "tcp", silent); errors.Is(err, ErrUnanswered) || time.Since(start) < 900*time.Millisecond {
+	if _, err := alone.DialContext(context.Background(), "tcp", silent); errors.Is(err, errUnanswered) || time.Since(start) < 900*time.Millisecond {
 		t.Errorf("the only host of a DSN was passed over (%v after %v)", err, time.Since(start).Round(time.Millisecond))
 	}
 
@@ -133,8 +133,8 @@ func TestDialerPassesOverUnanswered(t *testing.T) {
 	defer ln.Close()
 	live := ln.Addr().String()
 	unanswered.note(live, context.DeadlineExceeded, time.Second, time.Hour)
-	if _, err := d.DialContext(context.Background(), "tcp", live); !errors.Is(err, ErrUnanswered) {
-		t.Fatalf("remembered host: %v, want ErrUnanswered", err)
+	if _, err := d.DialContext(context.Background(), "tcp", live); !errors.Is(err, errUnanswered) {
+		t.Fatalf("remembered host: %v, want errUnanswered", err)
 	}
 	unanswered.mu.Lock()
 	unanswered.until[live] = time.Now().Add(-time.Millisecond)
