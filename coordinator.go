@@ -423,7 +423,7 @@ func (c *coordinator) onTimers() {
 		case timerHold, timerRefused:
 			c.claimWanted = true
 		case timerStats:
-			c.flushStats()
+			c.flushStats(false)
 			c.timers.schedule(key, now.Add(c.cfg.Dispatch.StatsInterval))
 		case timerDB:
 			c.dbWaiting = false

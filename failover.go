@@ -107,19 +107,37 @@ func discard(conn *sql.Conn) {
 	conn.Close() // already closed by Raw: ErrConnDone, nothing to report
 }
 
-// openWorkPool opens the pool of the coordinator's other statements (statistics, retention,
-// the fan-in flush, the /metrics row query), named with this run's epoch so that the schema's
+// openWorkPool opens a pool of at most n connections for the dispatcher's statements other
+// than the lock connection's (the coordinator's: statistics, retention, the fan-in flush and
+// sweep; the HTTP listener's: poolShares), named with this run's epoch so that the schema's
 // fence refuses it once another dispatcher has taken over. The lock connection has a pool of
 // its own (tryConnect).
-func openWorkPool(cfg *Config, inst *instance) (*sql.DB, error) {
+func openWorkPool(cfg *Config, inst *instance, n int) (*sql.DB, error) {
 	db, err := pgsession.Open(dsnWith(dsnOwn(cfg.DSN), "application_name", inst.dispatchAppName()), cfg.Dispatch.LockKeepalive)
 	if err != nil {
 		return nil, fmt.Errorf("open database: %w", err)
 	}
-	n := max(1, cfg.Dispatch.DBPoolSize-1) // DB_POOL_SIZE counts the lock connection
 	db.SetMaxOpenConns(n)
 	db.SetMaxIdleConns(n)
 	return db, nil
+}
+
+// poolShares divides DB_POOL_SIZE between the lock connection (one), the coordinator's pool
+// and the HTTP listener's (the console's pages, actions and samples, /metrics' row query).
+// The HTTP side has a pool of its own so that viewers whose pages wait in the database (a
+// slow search of a big table, an incident's crowd, a lock an operator's transaction holds)
+// cannot take the connections the fan-in flush, the sweep, retention and the loop's
+// statistics write need: with one pool, twelve viewers held every connection and the loop,
+// waiting for one to write its statistics, stopped every claim for up to its statement
+// budget (TestConsoleLoadLeavesLoopItsConnections). The HTTP side gets a third of what the
+// lock leaves, at least one; with DB_POOL_SIZE = 2 only one connection is left besides the
+// lock, and both sides share it (http 0: flushStats then does not wait for it).
+func poolShares(n int) (work, http int) {
+	if n < 3 {
+		return max(1, n-1), 0
+	}
+	http = max(1, (n-1)/3)
+	return n - 1 - http, http
 }
 
 // isOutage reports whether err is the database going away or refusing writes (a failover),

@@ -276,11 +276,20 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	}
 	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphansReset,
 		"orphans_held", len(orphansHeld)+len(orphansRefused), "server", inst.server.addr)
-	work, err := openWorkPool(cfg, inst) // db keeps the lock connection alone
+	workN, webN := poolShares(cfg.Dispatch.DBPoolSize)
+	work, err := openWorkPool(cfg, inst, workN) // db keeps the lock connection alone
 	if err != nil {
 		return err
 	}
 	defer work.Close()
+	web := work // the HTTP listener's pool (poolShares)
+	if metrics != nil && webN > 0 {
+		if web, err = openWorkPool(cfg, inst, webN); err != nil {
+			return err
+		}
+		defer web.Close()
+		web.SetConnMaxIdleTime(5 * time.Minute) // a console looked at once keeps no session
+	}
 
 	overlay, err := readOverlay(ctx, inst.conn)
 	if err != nil {
@@ -317,7 +326,7 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 		retain = &retainer{age: cfg.Dispatch.Retention}
 	}
 	if metrics != nil {
-		metrics.db.Store(work)
+		metrics.db.Store(web)
 	}
 	c := newCoordinator(cctx, coordinatorDeps{cfg: &run, version: version, log: log, db: work, inst: inst,
 		notify: listener.Notify, sigs: sigs, hups: hups, metrics: metrics, notifier: sd, retain: retain, ha: ha,

@@ -11,6 +11,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -307,7 +308,9 @@ func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter
 	lines, err := countPerStage(ctx, db)
 	if err != nil {
 		p.sample("pepsi_rows_query_ok", "gauge", "0 when the row gauges could not be read.", "", 0)
-		m.log.Warn("metrics: row gauges not read", "err", err)
+		if r := ctx.Err(); r == nil || errors.Is(r, context.DeadlineExceeded) {
+			m.log.Warn("metrics: row gauges not read", "err", err) // not for a scraper that left
+		}
 		return
 	}
 	type key struct{ stage, status string }

@@ -38,7 +38,7 @@ func (c *coordinator) onSignal(s os.Signal) {
 // finish completes a clean shutdown: every worker is gone; write what is left.
 func (c *coordinator) finish() {
 	c.writeLeftovers()
-	c.flushStats()
+	c.flushStats(true)
 	if c.metrics != nil {
 		c.metrics.publish(c.snapshot())
 	}

@@ -253,7 +253,15 @@ func (s *Stats) flush(ctx context.Context, db *sql.DB) (bool, error) {
 // is logged when it starts and then once a minute: while the database refuses the flush (a
 // full disk, a rule on stage_stats) an idle pipeline tries it every second (settle), and said
 // a line a second (TestStatsFlushRefusedLoggedOnce).
-func (c *coordinator) flushStats() {
+//
+// The loop makes this write itself, through the pool whose connections the fan-in flush, the
+// sweep, the strays check and retention take in the background (and with DB_POOL_SIZE = 2 the
+// HTTP listener: poolShares). Waiting there for a connection would stop every claim for as
+// long as they keep theirs, up to a statement budget each
+// (TestConsoleLoadLeavesLoopItsConnections), so while the pool has every connection in use the
+// flush is put off, its figures kept; except the last one, at the end of a clean shutdown
+// (final), which waits, as nothing else is left to do.
+func (c *coordinator) flushStats(final bool) {
 	ctx, cancel := context.WithTimeout(c.ctx, dbStatementBudget)
 	defer cancel()
 	if !c.stats.dirty() {
@@ -261,7 +269,13 @@ func (c *coordinator) flushStats() {
 	}
 	now := time.Now()
 	c.lastStatsFlush = now
-	if _, err := c.stats.flush(ctx, c.db); err != nil {
+	var err error
+	if st := c.db.Stats(); !final && st.MaxOpenConnections > 0 && st.InUse >= st.MaxOpenConnections {
+		err = fmt.Errorf("flush statistics: every connection of the pool is in use (%d); not waiting for one", st.InUse)
+	} else {
+		_, err = c.stats.flush(ctx, c.db)
+	}
+	if err != nil {
 		c.statsRefused++
 		if c.statsRefused == 1 || now.Sub(c.statsWarnedAt) >= time.Minute {
 			c.statsWarnedAt = now
