@@ -592,7 +592,7 @@ type messageView struct {
 	ID                       int64
 	Stage, Status            string
 	Attempts                 int
-	Payload, State           string // pretty-printed JSON
+	Payload, State           shownJSON
 	Error                    string
 	Created                  time.Time
 	RetryAt, ClaimedAt       *time.Time
@@ -602,6 +602,42 @@ type messageView struct {
 	Expected, DoneN, FailedN int
 	GroupState               string
 	Actions                  []string
+}
+
+// consoleValueCap is how many characters of a payload or state the message page shows.
+// PostgreSQL takes a jsonb value of up to 255 MB, and a queue may carry whole documents: the
+// page read both values whole, and one look at a message of 80 MiB grew the dispatcher by
+// 850 MiB (reading, indenting, escaping, rendering), enough for an appliance's kernel to kill
+// it and stop the pipeline (TestConsoleMessageBigPayload).
+const consoleValueCap = 64 << 10
+
+// messagePageSQL reads one message for its page: the payload and the state indented by the
+// server (jsonb_pretty: a value cut short is no longer JSON that Go could indent), their first
+// $2 + 1 characters only, which tells a value cut from one of exactly $2. Each value is made
+// text once (the subquery, OFFSET 0, is not pulled up into the outer expressions), which costs
+// the server about a second for 80 MiB; its whole length would cost another pass.
+const messagePageSQL = `
+SELECT stage, status, attempts, pp, ps, left(coalesce(state->>'dispatch_error', ''), $2),
+       created_at, retry_at, claimed_at, fanout_id, wait_fanout_id
+  FROM (SELECT *, left(jsonb_pretty(payload), $2 + 1) AS pp, coalesce(left(jsonb_pretty(state), $2 + 1), '') AS ps
+          FROM workqueue WHERE workqueue_id = $1 OFFSET 0) m`
+
+// shownJSON is a payload or state as the message page shows it.
+type shownJSON struct {
+	Text  string // indented JSON (jsonb_pretty), whole or its first consoleValueCap characters
+	Cut   bool   // it is longer than that
+	Shown int    // consoleValueCap, when Cut
+	Whole string // the command that prints it whole, when Cut
+}
+
+// cut notes a value of message id longer than consoleValueCap (messagePageSQL) and makes its
+// text one to show.
+func (v *shownJSON) cut(id int64) {
+	if r := []rune(v.Text); len(r) > consoleValueCap {
+		v.Text, v.Cut, v.Shown = string(r[:consoleValueCap]), true, consoleValueCap
+		v.Whole = fmt.Sprintf("pepsi-queue show %d", id)
+	}
+	v.Text = printable.Lines(v.Text)
 }
 
 // consoleActions maps a state to the operator actions operate.md §1 allows from it.
@@ -624,12 +660,8 @@ func (c *console) message(r *http.Request) (string, string, any, error) {
 	ctx, cancel := context.WithTimeout(r.Context(), consoleStatementTimeout)
 	defer cancel()
 	m := messageView{ID: id}
-	var payload, state []byte
-	err = c.pool().QueryRowContext(ctx, `
-		SELECT stage, status, attempts, payload, state, coalesce(state->>'dispatch_error', ''),
-		       created_at, retry_at, claimed_at, fanout_id, wait_fanout_id
-		  FROM workqueue WHERE workqueue_id = $1`, id).
-		Scan(&m.Stage, &m.Status, &m.Attempts, &payload, &state, &m.Error,
+	err = c.pool().QueryRowContext(ctx, messagePageSQL, id, consoleValueCap).
+		Scan(&m.Stage, &m.Status, &m.Attempts, &m.Payload.Text, &m.State.Text, &m.Error,
 			&m.Created, &m.RetryAt, &m.ClaimedAt, &m.FanoutID, &m.WaitFanoutID)
 	if errors.Is(err, sql.ErrNoRows) {
 		return "", "", nil, &httpError{http.StatusNotFound, fmt.Sprintf("message %d does not exist", id)}
@@ -637,7 +669,8 @@ func (c *console) message(r *http.Request) (string, string, any, error) {
 	if err != nil {
 		return "", "", nil, fmt.Errorf("read message %d: %w", id, err)
 	}
-	m.Payload, m.State = prettyJSON(payload), prettyJSON(state)
+	m.Payload.cut(id)
+	m.State.cut(id)
 	m.Actions = consoleActions[m.Status]
 	group := m.WaitFanoutID
 	if m.FanoutID != nil {
