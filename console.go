@@ -297,10 +297,33 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 	if err != nil {
 		return "", "", nil, err
 	}
+	// The stages the dispatcher does not run are shown up to strayListMax, those with the most
+	// rows; the others are counted in one line (strays.go says why).
+	configured := map[string]bool{}
+	if snap != nil {
+		for _, st := range snap.stages {
+			configured[st.name] = true
+		}
+	}
+	unknown := map[string]int64{}
+	for name, v := range views {
+		if !configured[name] {
+			for _, n := range v.Counts {
+				unknown[name] += n
+			}
+		}
+	}
+	var others struct{ Stages, Rows int64 }
+	_, rest := topStages(unknown, strayListMax)
+	for _, name := range rest {
+		others.Stages++
+		others.Rows += unknown[name]
+		delete(views, name)
+	}
 	var out []*stageView
 	for name, v := range views {
 		v.Paused = v.Paused || paused[name] // the running configuration, or an overlay row not yet reloaded
-		v.Stray = snap != nil && !slices.ContainsFunc(snap.stages, func(st stageSnapshot) bool { return st.name == name })
+		v.Stray = snap != nil && !configured[name]
 		v.Chart = chartSVG(c.samples.points(name))
 		out = append(out, v)
 	}
@@ -314,7 +337,8 @@ func (c *console) overview(r *http.Request) (string, string, any, error) {
 		HeldGroups    int           // pepsi_fanin_held_groups
 		RefusedWrites int           // pepsi_refused_writes
 		RefusedGroups int           // pepsi_fanin_refused_groups
-	}{out, consoleStatuses, consoleSampleEvery, time.Since(counted), heldWrites, heldGroups, refusedWrites, refusedGroups}, nil
+		Others        struct{ Stages, Rows int64 }
+	}{out, consoleStatuses, consoleSampleEvery, time.Since(counted), heldWrites, heldGroups, refusedWrites, refusedGroups, others}, nil
 }
 
 // pausedStages reads the PAUSED overlay rows (operate.md §3): a stage is paused when its

@@ -90,7 +90,17 @@ func (s *sampler) sample(ctx context.Context, now time.Time) {
 	for n := range counters {
 		names[n] = true
 	}
-	for n := range backlog {
+	// Of the stages the dispatcher does not run, those with the biggest backlog, up to
+	// strayListMax (strays.go): a series per stage of a producer that writes a stage per
+	// tenant would grow by thousands of series every sample.
+	unknown := map[string]int64{}
+	for n, b := range backlog {
+		if _, ok := counters[n]; !ok {
+			unknown[n] = b
+		}
+	}
+	top, _ := topStages(unknown, strayListMax)
+	for _, n := range top {
 		names[n] = true
 	}
 	dt := now.Sub(s.lastAt).Seconds()
@@ -108,6 +118,15 @@ func (s *sampler) sample(ctx context.Context, now time.Time) {
 			pts = slices.Delete(pts, 0, len(pts)-consoleSamples)
 		}
 		s.series[name] = pts
+	}
+	// A stage that had no point for the whole window (taken out of the configuration, its
+	// backlog gone) has a chart of nothing: its series goes, so that the series are those of
+	// the last hour's stages, not of every stage the daemon ever saw.
+	for name, pts := range s.series {
+		if len(pts) > 0 && now.Sub(pts[len(pts)-1].At) > consoleSamples*consoleSampleEvery {
+			delete(s.series, name)
+			delete(s.last, name)
+		}
 	}
 	s.lastAt = now
 }

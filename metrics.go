@@ -293,6 +293,10 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 	}
 }
 
+// otherStages is the stage label of the rows of the stages past strayListMax that the
+// dispatcher does not run (writeRows): no stage can be configured by that name.
+const otherStages = "(other stages)"
+
 // rowStatuses are the statuses pepsi_rows counts (done and cancelled rows are not counted: they only grow).
 var rowStatuses = []string{"failed", "held", "paused", "pending", "running", "waiting"}
 
@@ -335,6 +339,29 @@ func (m *metricsServer) writeRows(ctx context.Context, db *sql.DB, p *promWriter
 			counts[key{stage, "running"}] = int64(n)
 			stages[stage] = true
 		}
+	}
+	// The stages the dispatcher does not know (strays.go) get series of their own up to
+	// strayListMax, those with the most rows; the rows of the others are summed under
+	// otherStages, so that a sum over stages stays right and the series stay few.
+	isKnown := map[string]bool{}
+	for _, st := range known {
+		isKnown[st] = true
+	}
+	unknown := map[string]int64{}
+	for k, n := range counts {
+		if !isKnown[k.stage] {
+			unknown[k.stage] += n
+		}
+	}
+	if _, rest := topStages(unknown, strayListMax); len(rest) > 0 {
+		for _, stage := range rest {
+			for _, status := range rowStatuses {
+				counts[key{otherStages, status}] += counts[key{stage, status}]
+			}
+			ages[otherStages] = max(ages[otherStages], ages[stage])
+			delete(stages, stage)
+		}
+		stages[otherStages] = true
 	}
 	names := slices.Sorted(maps.Keys(stages))
 	for _, stage := range names {
