@@ -157,6 +157,26 @@ func listenMetrics(addr string) (net.Listener, error) {
 	return ln, nil
 }
 
+// httpLimits are the HTTP listener's timeouts. Each connection is a goroutine and a
+// descriptor of the daemon's, whose workers' pipes and PoolCounter clients need descriptors
+// too: with only the header's timeout (as before), a keep-alive connection left idle, or a
+// request whose body came a byte at a time, was kept for as long as its client liked
+// (TestHTTPServerTimeouts).
+type httpLimits struct {
+	header time.Duration // the request line and headers
+	read   time.Duration // the whole request, body included (forms are small)
+	write  time.Duration // from the end of the headers to the end of the answer: above the longest page (a group action's 30 s)
+	idle   time.Duration // a keep-alive connection between requests (Prometheus scrapes every 15 to 60 s)
+}
+
+var httpTimeouts = httpLimits{header: 5 * time.Second, read: 30 * time.Second, write: 2 * time.Minute, idle: 2 * time.Minute}
+
+// newHTTPServer is the listener's server for handler h.
+func newHTTPServer(h http.Handler, l httpLimits) *http.Server {
+	return &http.Server{Handler: h, ReadHeaderTimeout: l.header, ReadTimeout: l.read, WriteTimeout: l.write,
+		IdleTimeout: l.idle, MaxHeaderBytes: 64 << 10}
+}
+
 // serve runs the HTTP server until ctx ends.
 func (m *metricsServer) serve(ctx context.Context, ln net.Listener) {
 	mux := http.NewServeMux()
@@ -171,7 +191,7 @@ func (m *metricsServer) serve(ctx context.Context, ln net.Listener) {
 	if m.console != nil {
 		h = withConsoleHeaders(mux)
 	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
+	srv := newHTTPServer(h, httpTimeouts)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
