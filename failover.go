@@ -131,9 +131,10 @@ func openWorkPool(cfg *Config, inst *instance, n int) (*sql.DB, error) {
 // waiting for one to write its statistics, stopped every claim for up to its statement
 // budget (TestConsoleLoadLeavesLoopItsConnections). The HTTP side gets a third of what the
 // lock leaves, at least one; with DB_POOL_SIZE = 2 only one connection is left besides the
-// lock, and both sides share it (http 0: flushStats then does not wait for it).
-func poolShares(n int) (work, http int) {
-	if n < 3 {
+// lock, and both sides share it (http 0: flushStats then does not wait for it). Without an
+// HTTP listener (listening false) the coordinator has them all.
+func poolShares(n int, listening bool) (work, http int) {
+	if n < 3 || !listening {
 		return max(1, n-1), 0
 	}
 	http = max(1, (n-1)/3)

@@ -276,14 +276,14 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	}
 	log.Info("single-instance lock taken", "epoch", inst.epoch, "fenced_sessions", killed, "orphans_reset", orphansReset,
 		"orphans_held", len(orphansHeld)+len(orphansRefused), "server", inst.server.addr)
-	workN, webN := poolShares(cfg.Dispatch.DBPoolSize)
+	workN, webN := poolShares(cfg.Dispatch.DBPoolSize, metrics != nil)
 	work, err := openWorkPool(cfg, inst, workN) // db keeps the lock connection alone
 	if err != nil {
 		return err
 	}
 	defer work.Close()
 	web := work // the HTTP listener's pool (poolShares)
-	if metrics != nil && webN > 0 {
+	if webN > 0 {
 		if web, err = openWorkPool(cfg, inst, webN); err != nil {
 			return err
 		}
