@@ -121,3 +121,26 @@ func TestConsoleLoadLeavesLoopItsConnections(t *testing.T) {
 		})
 	}
 }
+
+// TestPoolShares: DB_POOL_SIZE is the lock connection, the coordinator's pool and, with an
+// HTTP listener, the listener's third of the rest; the sum never passes DB_POOL_SIZE but
+// where the lock leaves one connection, which both sides then share.
+func TestPoolShares(t *testing.T) {
+	for _, tc := range []struct {
+		n          int
+		listening  bool
+		work, http int
+	}{{2, true, 1, 0}, {3, true, 1, 1}, {4, true, 2, 1}, {8, true, 5, 2}, {8, false, 7, 0}, {1000, true, 666, 333}} {
+		work, http := poolShares(tc.n, tc.listening)
+		if work != tc.work || http != tc.http {
+			t.Errorf("poolShares(%d, %v) = %d, %d; want %d, %d", tc.n, tc.listening, work, http, tc.work, tc.http)
+		}
+	}
+	for n := 2; n <= 1000; n++ {
+		for _, listening := range []bool{true, false} {
+			if work, http := poolShares(n, listening); work < 1 || 1+work+http > n || (listening && n >= 3 && http < 1) {
+				t.Errorf("poolShares(%d, %v) = %d, %d", n, listening, work, http)
+			}
+		}
+	}
+}
