@@ -64,7 +64,9 @@ func TestConsoleMessageBigPayload(t *testing.T) {
 	if len(page) > 1<<20 {
 		t.Errorf("the message page is %d bytes", len(page))
 	}
-	if grew > 8<<20 {
+	// 238 MiB before (non-race: twelve times the message); 3 MiB now, 11 MiB under the race
+	// detector, whose shadow memory multiplies every allocation.
+	if grew > 40<<20 {
 		t.Errorf("one look at a message of 20 MiB grew the daemon's peak memory by %d MiB", grew>>20)
 	}
 	for _, want := range []string{"&lt;p&gt;&lt;p&gt;", "xxxxxxxx", "Longer than 65536 characters", "pepsi-queue show " + strconv.FormatInt(id, 10)} {
