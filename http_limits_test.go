@@ -41,13 +41,19 @@ func TestHTTPServerTimeouts(t *testing.T) {
 		return err != nil && !(errors.As(err, &ne) && ne.Timeout())
 	}
 
-	t.Run("idle keep-alive", func(t *testing.T) {
+	// dial connects to the server and sends head, a request's line and headers.
+	dial := func(t *testing.T, head string) net.Conn {
 		c, err := net.Dial("tcp", ln.Addr().String())
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer c.Close()
-		io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+		t.Cleanup(func() { c.Close() })
+		io.WriteString(c, head)
+		return c
+	}
+
+	t.Run("idle keep-alive", func(t *testing.T) {
+		c := dial(t, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
 		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
 		if err != nil {
 			t.Fatal(err)
@@ -66,12 +72,7 @@ func TestHTTPServerTimeouts(t *testing.T) {
 	})
 
 	t.Run("slow body", func(t *testing.T) {
-		c, err := net.Dial("tcp", ln.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		io.WriteString(c, "POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 1000\r\n\r\n")
+		c := dial(t, "POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 1000\r\n\r\n")
 		start := time.Now()
 		done := make(chan struct{})
 		go func() { // a byte every 100 ms: the body would take 100 s
