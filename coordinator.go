@@ -71,11 +71,12 @@ type coordinator struct {
 	workerEnv    []string // environment common to all workers
 	workerDSN    string   // PEPSI_DSN: the DSN with the worker application_name
 
-	claimWanted  bool // something may have become claimable
-	lockUnheard  bool // a heartbeat came and no statement has gone over the lock connection since
-	backlog      bool // the last claim filled a stage: claim again as soon as room frees
-	retryWanted  bool // paused rows may be due
-	reloadWanted bool // config_changed (or a listener reconnect) asks for a reload
+	claimWanted  bool   // something may have become claimable
+	lockUnheard  bool   // a heartbeat came and no statement has gone over the lock connection since
+	backlog      bool   // the last claim filled a stage: claim again as soon as room frees
+	retryWanted  bool   // paused rows may be due
+	reloadWanted bool   // config_changed (or a listener reconnect) asks for a reload
+	fileStages   string // the file's stage graph as last published (fileStagesJSON)
 
 	failures  []failure  // failure writes not yet committed
 	resets    []*message // reset writes not yet committed

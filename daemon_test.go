@@ -76,7 +76,8 @@ type daemon struct {
 	cmd    *exec.Cmd
 	log    *syncBuffer
 	done   chan struct{}
-	status int // exit status, valid after done
+	status int    // exit status, valid after done
+	conf   string // the configuration file's path: a test may write it again and send SIGHUP
 }
 
 // testDir returns a fresh world-readable directory for config files: a daemon started as
@@ -152,7 +153,7 @@ func startDaemonWrapped(t testing.TB, wrap func(argv ...string) []string, conf, 
 	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Env = append(os.Environ(), "PEPSI_TEST_DAEMON=1", "PEPSI_TEST_WORKER="+worker)
 	cmd.Env = append(cmd.Env, env...)
-	d := &daemon{t: t, cmd: cmd, log: &syncBuffer{}, done: make(chan struct{})}
+	d := &daemon{t: t, cmd: cmd, log: &syncBuffer{}, done: make(chan struct{}), conf: path}
 	cmd.Stdout, cmd.Stderr = d.log, d.log
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("start daemon: %v", err)

@@ -436,7 +436,11 @@ func TestAbortLeftoversRefusedAlone(t *testing.T) {
 		return countStatus(t, s, "running") == 4
 	})
 
-	s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-a', 'NEXT', 'nowhere')`)
+	// A graph that does not validate, from the file (the config table's check refuses one).
+	if err := os.WriteFile(d.conf, []byte(strings.Replace(conf, "NEXT = \n", "NEXT = nowhere\n", 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	d.cmd.Process.Signal(syscall.SIGHUP)
 	if st := d.wait(30 * time.Second); st != 1 {
 		t.Fatalf("exit %d after a reload that does not validate, want 1", st)
 	}

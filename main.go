@@ -299,6 +299,10 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	if err != nil {
 		return err // a configError: exit 2
 	}
+	fileStages := fileStagesJSON(cfg.stageEntries)
+	if err := publishFileStages(ctx, inst.conn, fileStages); err != nil {
+		return err // the lock connection failed a one-row write: the database is in trouble
+	}
 	run := *cfg
 	run.Stages = stages
 
@@ -334,6 +338,7 @@ func serveDispatch(ctx context.Context, cfg *Config, log *slog.Logger, sigs, hup
 	if metrics != nil {
 		metrics.publish(c.snapshot())
 	}
+	c.fileStages = fileStages
 	c.faninStartup()
 	log.Info("dispatching", "stages", len(stages), "orphans_reset", orphansReset)
 	sd.send("READY=1")

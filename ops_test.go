@@ -60,12 +60,34 @@ func TestReloadRetiresBusyWorkers(t *testing.T) {
 }
 
 // TestReloadInvalidGraphExits1: a reloaded graph that does not validate ends the process with
-// status 1 and a log line naming the problem; it never routes by a half-applied graph.
+// status 1 and a log line naming the problem; it never routes by a half-applied graph. The
+// config table's own check refuses such a row (TestConfigGraphTypoRefusedDaemonRuns), so the
+// graph comes from the file here, reloaded on SIGHUP; and from a row written with the check
+// off (a table mended by hand, a restore), which the next config_changed reloads.
 func TestReloadInvalidGraphExits1(t *testing.T) {
-	s := newTestSchema(t)
-	d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", ""), "pipeline")
-	d.waitLog("dispatching", 30*time.Second)
-	s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-a', 'NEXT', 'nowhere')`)
+	t.Run("file", func(t *testing.T) {
+		s := newTestSchema(t)
+		conf := baseConf(s, "") + stageConf(t, "a", "", "")
+		d := startDaemon(t, conf, "pipeline")
+		d.waitLog("dispatching", 30*time.Second)
+		if err := os.WriteFile(d.conf, []byte(strings.Replace(conf, "NEXT = \n", "NEXT = nowhere\n", 1)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		d.cmd.Process.Signal(syscall.SIGHUP)
+		reloadInvalidGraphExits1(t, d)
+	})
+	t.Run("table", func(t *testing.T) {
+		s := newTestSchema(t)
+		d := startDaemon(t, baseConf(s, "")+stageConf(t, "a", "", ""), "pipeline")
+		d.waitLog("dispatching", 30*time.Second)
+		s.exec(t, `ALTER TABLE config DISABLE TRIGGER config_graph`)
+		s.exec(t, `INSERT INTO config (section, key, value) VALUES ('stage-a', 'NEXT', 'nowhere')`)
+		reloadInvalidGraphExits1(t, d)
+	})
+}
+
+func reloadInvalidGraphExits1(t *testing.T, d *daemon) {
+	t.Helper()
 	if st := d.wait(30 * time.Second); st != 1 {
 		t.Fatalf("exit %d, want 1", st)
 	}

@@ -9,7 +9,9 @@ package main
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -39,6 +41,45 @@ type reloadError struct{ err error }
 func (e *reloadError) Error() string { return "reload: " + e.err.Error() }
 func (e *reloadError) Unwrap() error { return e.err }
 
+// fileStagesJSON is the stage graph of the file's entries as config_graph_check reads it
+// (schema.sql): per [stage-NAME] section, whether it sets PROGRAM, and its NEXT as written.
+func fileStagesJSON(entries []iniEntry) string {
+	type stage struct {
+		Program bool    `json:"program"`
+		Next    *string `json:"next,omitempty"`
+	}
+	graph := map[string]*stage{}
+	for _, e := range entries {
+		name, ok := strings.CutPrefix(e.Section, "stage-")
+		if !ok {
+			continue
+		}
+		st := graph[name]
+		if st == nil {
+			st = &stage{}
+			graph[name] = st
+		}
+		switch e.Key {
+		case "PROGRAM":
+			st.Program = true
+		case "NEXT":
+			st.Next = &e.Value
+		}
+	}
+	b, _ := json.Marshal(graph) // maps of strings and bools: no error
+	return string(b)
+}
+
+// publishFileStages writes the file's stage graph for config_graph_check, which refuses a
+// config table that makes a graph this dispatcher would refuse at its next reload, as the
+// writing transaction commits, instead of the dispatcher stopping then.
+func publishFileStages(ctx context.Context, conn *sql.Conn, graph string) error {
+	if _, err := conn.ExecContext(ctx, `UPDATE dispatch_instance SET file_stages = $1::jsonb WHERE id = 1`, graph); err != nil {
+		return fmt.Errorf("publish the file's stage graph: %w", err)
+	}
+	return nil
+}
+
 // reload rebuilds the stage table from the file and the config table.
 func (c *coordinator) reload() {
 	c.reloadWanted = false
@@ -59,6 +100,18 @@ func (c *coordinator) reload() {
 	if err != nil {
 		c.fatal = &reloadError{fmt.Errorf("the stage graph does not validate: %w", err)}
 		return
+	}
+	if graph := fileStagesJSON(fresh.stageEntries); graph != c.fileStages {
+		// The file changed (SIGHUP): the table's check judges against it from now on. A
+		// failure leaves the last one published, which only makes the check judge by it.
+		ctx, cancel := c.budget()
+		err := publishFileStages(ctx, c.inst.conn, graph)
+		cancel()
+		if err != nil {
+			c.log.Warn("the config table's graph check keeps the file's stages of before; tried again at the next reload", "err", err)
+		} else {
+			c.fileStages = graph
+		}
 	}
 	if fresh.Dispatch != c.cfg.Dispatch || fresh.DSN != c.cfg.DSN || fresh.PoolCounter != c.cfg.PoolCounter {
 		c.log.Warn("reload: [pepsi-dispatch], [database] and [poolcounter] changes need a restart; kept the running values")

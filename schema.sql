@@ -388,6 +388,79 @@ CREATE TABLE IF NOT EXISTS dispatch_instance (
 );
 INSERT INTO dispatch_instance (id) VALUES (1) ON CONFLICT (id) DO NOTHING;
 
+-- The stage graph of the file the running dispatcher read (at its start or its last reload):
+-- per [stage-NAME] section of the file, whether it sets PROGRAM and its NEXT as written,
+-- {"parse": {"program": true, "next": "enrich"}, ...}; NULL until a dispatcher of this version
+-- has started. Written by the dispatcher only (publishFileStages), read by config_graph_check.
+-- A column added, not in the CREATE TABLE above, so that a schema made fresh and one upgraded
+-- have the same columns in the same order (TestSchemaUpgrade).
+ALTER TABLE dispatch_instance ADD COLUMN IF NOT EXISTS file_stages jsonb;
+
+-- The graph of the file and the config table together, checked as each transaction that
+-- writes the table commits (a constraint trigger, deferred: a new stage's PROGRAM and the
+-- NEXT that leads to it may come in either order in one transaction): every stage has a
+-- PROGRAM, and every NEXT names a stage. A row that breaks it (a NEXT to a misspelt stage; a
+-- PARALLELISM for a misspelt section, which defines a stage without PROGRAM; the PROGRAM row
+-- of a stage only the table defines, deleted) ended the dispatcher at its next reload, and
+-- every start after it, until someone mended the table (config_check could not tell: it sees
+-- one row, and not the file). The rules are buildStages's (conf.go): the table's rows over
+-- the file's, PAUSED rows defining no stage, NEXT split on Go's white space; the file is the
+-- one the running dispatcher read (dispatch_instance.file_stages), so a stage added to the
+-- file counts once the dispatcher has reloaded it. Without a published file (no dispatcher of
+-- this version has started) nothing is checked here, and the dispatcher judges at its start.
+-- TestConfigGraphCheckAgreesWithDaemon holds it to buildStages.
+CREATE OR REPLACE FUNCTION config_graph_check() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    file  jsonb;
+    sp    constant text := E'[\\t\\n\\v\\f\\r \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]';
+    bad   record;
+BEGIN
+    SELECT file_stages INTO file FROM dispatch_instance WHERE id = 1;
+    IF file IS NULL OR jsonb_typeof(file) <> 'object' THEN
+        RETURN NULL;
+    END IF;
+    FOR bad IN
+        WITH tab AS (
+            SELECT substr(section, 7) AS stage, key, value FROM config
+             WHERE section LIKE 'stage-%' AND key <> 'PAUSED'
+        ), defined AS (
+            SELECT k AS stage FROM jsonb_object_keys(file) k
+            UNION
+            SELECT stage FROM tab
+        ), graph AS (
+            SELECT d.stage,
+                   EXISTS (SELECT 1 FROM tab WHERE tab.stage = d.stage AND tab.key = 'PROGRAM')
+                       OR coalesce((file -> d.stage ->> 'program')::boolean, false) AS has_program,
+                   coalesce((SELECT value FROM tab WHERE tab.stage = d.stage AND tab.key = 'NEXT'),
+                            file -> d.stage ->> 'next', '') AS next
+              FROM defined d
+        )
+        SELECT g.stage, NULL::text AS next FROM graph g WHERE NOT g.has_program
+        UNION ALL
+        SELECT g.stage, n FROM graph g, regexp_split_to_table(g.next, sp || '+') n
+         WHERE n <> '' AND n NOT IN (SELECT stage FROM defined)
+         ORDER BY 1, 2
+    LOOP
+        RAISE EXCEPTION 'config table: the stage graph with the dispatcher''s file: %',
+            CASE WHEN bad.next IS NULL THEN format('[stage-%s] has no PROGRAM', bad.stage)
+                 ELSE format('[stage-%s] NEXT names stage %s, which is not defined', bad.stage, to_json(bad.next)) END
+            USING ERRCODE = 'check_violation',
+                  HINT = 'pepsi-dispatch would refuse this graph at its next reload, and stop (pepsi.conf(5)); the file''s stages are those of its last start or reload: '
+                         || coalesce((SELECT string_agg(k, ' ' ORDER BY k) FROM jsonb_object_keys(file) k), '(none)');
+    END LOOP;
+    RETURN NULL;
+END $$;
+
+-- PostgreSQL has no CREATE OR REPLACE for a constraint trigger: dropped and made again in one
+-- statement, so that no commit falls between the two.
+DO $$
+BEGIN
+    DROP TRIGGER IF EXISTS config_graph ON config;
+    CREATE CONSTRAINT TRIGGER config_graph AFTER INSERT OR UPDATE OR DELETE ON config
+        DEFERRABLE INITIALLY DEFERRED
+        FOR EACH ROW EXECUTE FUNCTION config_graph_check();
+END $$;
+
 -- The fence of a dispatcher that lost the system to another (failover.go, standby.go). A
 -- worker's session carries its dispatcher's epoch in its application_name ('pepsi-worker KEY
 -- EPOCH'), and so do the dispatcher's pooled sessions ('pepsi-dispatch KEY EPOCH'; its lock
@@ -487,7 +560,7 @@ END $$;
 -- Version), which a binary upgraded without re-applying this file meets as "column ... does not
 -- exist" in every claim. Raised with every change to this file, fanin.sql or operate.sql
 -- (TestSchemaVersion holds it to their text).
-CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql IMMUTABLE PARALLEL SAFE AS 'SELECT 1';
+CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql IMMUTABLE PARALLEL SAFE AS 'SELECT 2';
 
 DO $$
 BEGIN
