@@ -57,6 +57,7 @@ type console struct {
 	version string
 	tmpl    *template.Template
 	auth    *consoleAuth // nil: read-only, no action shown, action endpoints answer 403
+	refused refusedLogins
 
 	groupBudget time.Duration // consoleGroupBudget; a test's shorter one
 }

@@ -23,6 +23,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -122,6 +123,32 @@ func refuse(w http.ResponseWriter, code int, why string) {
 	w.Write([]byte(why + "\n")) // a client gone away is no error of ours
 }
 
+// refusedLogins rate-limits the "login refused" lines: one at once, then one per
+// loginRefusedEvery at most, saying how many were left out. A client that tries credentials
+// (or a monitor posting to /login) made a line per request, a log of thousands of lines a
+// second, and journald's rate limit then dropped the dispatcher's own lines too
+// (TestConsoleLoginRefusalsLogged).
+type refusedLogins struct {
+	mu       sync.Mutex // logins are the HTTP handlers', any number at once
+	last     time.Time  // when the last line was logged
+	unlogged int        // refusals since then, not logged
+}
+
+const loginRefusedEvery = 10 * time.Second
+
+// admit reports whether a refusal at now is logged, and how many were left out before it.
+func (l *refusedLogins) admit(now time.Time) (unlogged int, ok bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.last.IsZero() && now.Sub(l.last) < loginRefusedEvery {
+		l.unlogged++
+		return 0, false
+	}
+	l.last = now
+	unlogged, l.unlogged = l.unlogged, 0
+	return unlogged, true
+}
+
 func (c *console) login(w http.ResponseWriter, r *http.Request) {
 	if c.auth == nil {
 		refuse(w, http.StatusForbidden, "the console is read-only: no credential is configured")
@@ -132,7 +159,9 @@ func (c *console) login(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if subtle.ConstantTimeCompare([]byte(strings.TrimSpace(r.PostFormValue("token"))), c.auth.secret) != 1 {
-		c.log.Warn("console: login refused", "remote", r.RemoteAddr)
+		if unlogged, ok := c.refused.admit(time.Now()); ok {
+			c.log.Warn("console: login refused", "remote", r.RemoteAddr, "refused_unlogged", unlogged)
+		}
 		refuse(w, http.StatusForbidden, "wrong credential")
 		return
 	}
