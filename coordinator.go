@@ -115,8 +115,11 @@ type coordinator struct {
 	claimMax time.Duration // the longest claim statement since the start (/metrics)
 
 	stageFailing map[string]*failureLog // per stage: the rate limit of its failure lines
-	sendBuf      []byte
-	want         map[string]int
+	// stderrBudgets: per stage, the rate limit of its workers' standard-error lines (shared with
+	// their logLoop goroutines; kept across reloads, as a stage's name is).
+	stderrBudgets map[string]*stderrBudget
+	sendBuf       []byte
+	want          map[string]int
 }
 
 // coordinatorDeps is what a coordinator is built from: the running configuration and the
@@ -156,7 +159,7 @@ func newCoordinator(ctx context.Context, d coordinatorDeps) *coordinator {
 		workers: map[int]*worker{}, inflight: map[string]int{},
 		dbBackoff:     backoff{min: 100 * time.Millisecond, max: 5 * time.Second},
 		relockBackoff: backoff{min: 100 * time.Millisecond, max: relockMaxDelay},
-		stats:         newStats(), locked: true, stageFailing: map[string]*failureLog{},
+		stats:         newStats(), locked: true, stageFailing: map[string]*failureLog{}, stderrBudgets: map[string]*stderrBudget{},
 		want: map[string]int{}, started: time.Now(),
 	}
 	c.workerDSN = dsnWith(cfg.DSN, "application_name", inst.workerAppName())

@@ -62,7 +62,12 @@ func (c *coordinator) spawn(p *pool, now time.Time) *worker {
 		"PEPSI_FUSE="+p.fuse,
 		"PEPSI_MAX_CHILDREN="+strconv.Itoa(p.cfg.MaxChildren),
 		"PEPSI_MIN_SPAN="+strconv.FormatInt(p.cfg.MinSpan, 10))
-	w, err := startWorker(c.ctx, c.wg, c.events, c.log, id, p.cfg, p.gen, env, c.cfg.Dispatch.ConfigFile)
+	budget := c.stderrBudgets[p.cfg.Name]
+	if budget == nil {
+		budget = &stderrBudget{}
+		c.stderrBudgets[p.cfg.Name] = budget
+	}
+	w, err := startWorker(c.ctx, c.wg, c.events, c.log, id, p.cfg, p.gen, env, c.cfg.Dispatch.ConfigFile, budget)
 	if err != nil {
 		d := p.hold(now)
 		c.timers.schedule(timerKey{timerHold, p.id}, p.holdUntil)

@@ -114,7 +114,7 @@ type stderrSigns struct {
 // startWorker starts PROGRAM for stage s. The replies and the exit are sent to events; the
 // goroutines are tracked by wg and give up sending when ctx ends.
 func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- event, log *slog.Logger,
-	id int, s *StageConfig, gen int, env []string, configFile string) (*worker, error) {
+	id int, s *StageConfig, gen int, env []string, configFile string, budget *stderrBudget) (*worker, error) {
 	args := []string{}
 	if configFile != "" {
 		args = append(args, "-c", configFile)
@@ -166,7 +166,7 @@ func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- event, l
 	wg.Add(3)
 	go func() { defer wg.Done(); defer close(readDone); w.readLoop(ctx, outR, events) }()
 	var signs stderrSigns // written by logLoop's goroutine, read by waitLoop's after logDone
-	go func() { defer wg.Done(); defer close(logDone); signs = logLoop(errR, wlog) }()
+	go func() { defer wg.Done(); defer close(logDone); signs = logLoop(errR, wlog, budget) }()
 	go func() { defer wg.Done(); w.waitLoop(ctx, events, readDone, logDone, outR, errR, &signs) }()
 	return w, nil
 }
@@ -315,7 +315,7 @@ func (w *worker) waitLoop(ctx context.Context, events chan<- event, readDone, lo
 // is logged cut, with the bytes cut, and the reading goes on: a bufio.Scanner stops at its
 // first line over its buffer, and every later line of that worker went unlogged, its last
 // words and its session's refusal among them (TestLogLoopLongLine).
-func logLoop(errR *os.File, log *slog.Logger) (signs stderrSigns) {
+func logLoop(errR *os.File, log *slog.Logger, budget *stderrBudget) (signs stderrSigns) {
 	r := bufio.NewReaderSize(errR, 4096)
 	var buf []byte
 	for {
@@ -326,14 +326,62 @@ func logLoop(errR *os.File, log *slog.Logger) (signs stderrSigns) {
 			return signs
 		}
 		text := string(line)
+		signs.outage = signs.outage || isOutageText(text)
+		signs.noSession = signs.noSession || isNoSessionText(text)
+		left, first, ok := budget.admit(time.Now())
+		if left > 0 {
+			log.Warn("worker stderr: lines of this stage's workers were left out", "lines", left)
+		}
+		if first {
+			log.Warn("worker stderr: this stage's workers wrote more than "+strconv.Itoa(stderrLinesPerWindow)+
+				" lines in "+stderrWindow.String()+"; the rest of them are left out, and counted",
+				"window", stderrWindow)
+		}
+		if !ok {
+			continue
+		}
 		if cut > 0 {
 			log.Warn("worker stderr", "line", text, "cut_bytes", cut)
 		} else {
 			log.Warn("worker stderr", "line", text)
 		}
-		signs.outage = signs.outage || isOutageText(text)
-		signs.noSession = signs.noSession || isNoSessionText(text)
 	}
+}
+
+// stderrBudget is how many standard-error lines of one stage's workers the log takes:
+// stderrLinesPerWindow per stderrWindow, the rest counted and said. A stage that printed a line
+// per message at thousands a second made the daemon's log that busy, and journald's rate limit
+// (10,000 messages in 30 s per service, by default) then dropped lines of the dispatcher's own
+// with them (TestLogLoopFlood). Every line is still read for its signs. One per stage, shared
+// by its workers' logLoop goroutines.
+type stderrBudget struct {
+	mu     sync.Mutex
+	window time.Time // the start of the current window
+	lines  int       // lines in the window, logged or not
+	left   int       // lines left out and not yet said
+}
+
+const (
+	stderrLinesPerWindow = 1000
+	stderrWindow         = 10 * time.Second
+)
+
+// admit counts a line at now and reports whether it is logged (ok), whether it is the first
+// one left out in its window (first: say that lines are being left out), and how many lines
+// left out before it are to be said now (left: at the first line of a new window).
+func (b *stderrBudget) admit(now time.Time) (left int, first, ok bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if now.Sub(b.window) >= stderrWindow {
+		b.window, b.lines = now, 0
+		left, b.left = b.left, 0
+	}
+	b.lines++
+	if b.lines <= stderrLinesPerWindow {
+		return left, false, true
+	}
+	b.left++
+	return left, b.lines == stderrLinesPerWindow+1, false
 }
 
 // stderrLineMax bounds one record of a worker's standard error: a handler that prints a whole

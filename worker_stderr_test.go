@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -16,6 +17,12 @@ import (
 // logged, each as its attributes, and the signs it reported.
 func stderrRecords(t *testing.T, text string) ([]map[string]any, stderrSigns) {
 	t.Helper()
+	return stderrRecordsWith(t, text, &stderrBudget{})
+}
+
+// stderrRecordsWith is stderrRecords with the stage's line budget given.
+func stderrRecordsWith(t *testing.T, text string, budget *stderrBudget) ([]map[string]any, stderrSigns) {
+	t.Helper()
 	r, w, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
@@ -25,7 +32,7 @@ func stderrRecords(t *testing.T, text string) ([]map[string]any, stderrSigns) {
 		w.Close()
 	}()
 	var out bytes.Buffer
-	signs := logLoop(r, slog.New(slog.NewJSONHandler(&out, nil)))
+	signs := logLoop(r, slog.New(slog.NewJSONHandler(&out, nil)), budget)
 	r.Close()
 	var recs []map[string]any
 	for _, l := range strings.Split(strings.TrimSuffix(out.String(), "\n"), "\n") {
@@ -129,4 +136,42 @@ func FuzzLogLines(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestLogLoopFlood: a stage whose workers print 5,000 lines at once has the first
+// stderrLinesPerWindow logged, one line saying that the rest are left out, and every line
+// still read for its signs (a refused session's words in the last line count). The next line,
+// a window later, is preceded by the count of those left out. Every line was logged before: a
+// stage that prints a line per message made the daemon's log that busy, and journald's rate
+// limit then dropped the dispatcher's own lines with the stage's.
+func TestLogLoopFlood(t *testing.T) {
+	var text strings.Builder
+	for i := range 5000 {
+		fmt.Fprintf(&text, "line %d\n", i)
+	}
+	text.WriteString(`connect to the database: pq: too many connections for role "app" (53300)` + "\n")
+	budget := &stderrBudget{}
+	recs, signs := stderrRecordsWith(t, text.String(), budget)
+	var logged, notices int
+	for _, r := range recs {
+		switch {
+		case r["msg"] == "worker stderr":
+			logged++
+		case strings.Contains(r["msg"].(string), "the rest of them are left out"):
+			notices++
+		default:
+			t.Errorf("unexpected record %v", r)
+		}
+	}
+	if logged != stderrLinesPerWindow || notices != 1 {
+		t.Errorf("%d lines logged and %d notices for 5,001 lines at once, want %d and 1", logged, notices, stderrLinesPerWindow)
+	}
+	if !signs.noSession {
+		t.Errorf("the refused session's words, in a line left out, were not read")
+	}
+	budget.window = budget.window.Add(-stderrWindow) // a window later
+	recs, _ = stderrRecordsWith(t, "after\n", budget)
+	if len(recs) != 2 || recs[0]["lines"] != float64(4001) || recs[1]["line"] != "after" {
+		t.Errorf("a window later: %v, want the count of the 4,001 lines left out, then the line", recs)
+	}
 }
