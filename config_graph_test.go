@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"os"
 	"strings"
 	"syscall"
@@ -171,5 +172,39 @@ func TestConfigGraphTypoRefusedDaemonRuns(t *testing.T) {
 	d.stop()
 	if strings.Contains(d.log.String(), "does not validate") {
 		t.Errorf("the dispatcher met a graph that does not validate:\n%s", lastLines(d.log.String(), 10))
+	}
+}
+
+// TestConfigGraphCheckNarrowRole: a role granted the config table alone (an operator's role
+// for stage settings) writes a row the graph takes, and is refused one it does not, in the
+// dispatcher's words: the check reads dispatch_instance as the schema's owner (SECURITY
+// DEFINER). Run as the writer, it failed every write of such a role, "permission denied for
+// table dispatch_instance".
+func TestConfigGraphCheckNarrowRole(t *testing.T) {
+	s := newTestSchema(t)
+	entries, err := parseINI("f", strings.NewReader("[stage-a]\nPROGRAM = /x\n[stage-b]\nPROGRAM = /x\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.exec(t, `UPDATE dispatch_instance SET file_stages = $1::jsonb`, fileStagesJSON(entries))
+	role := "narrow_" + s.Name
+	s.exec(t, `CREATE ROLE `+role+` LOGIN NOSUPERUSER`)
+	t.Cleanup(func() {
+		s.DB.Exec(`DROP OWNED BY ` + role)
+		s.DB.Exec(`DROP ROLE IF EXISTS ` + role)
+	})
+	s.exec(t, `GRANT USAGE ON SCHEMA `+s.Name+` TO `+role)
+	s.exec(t, `GRANT SELECT, INSERT, UPDATE, DELETE ON `+s.Name+`.config TO `+role)
+	db, err := sql.Open("postgres", s.DSN+" user="+role)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	if _, err := db.Exec(`INSERT INTO config (section, key, value) VALUES ('stage-a', 'NEXT', 'b')`); err != nil {
+		t.Errorf("a NEXT to a stage of the file, by a role granted the config table: %v", err)
+	}
+	_, err = db.Exec(`INSERT INTO config (section, key, value) VALUES ('stage-b', 'NEXT', 'c')`)
+	if err == nil || !strings.Contains(err.Error(), `[stage-b] NEXT names stage "c", which is not defined`) {
+		t.Errorf("a NEXT to a stage defined nowhere, by a role granted the config table: %v", err)
 	}
 }

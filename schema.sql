@@ -408,8 +408,11 @@ ALTER TABLE dispatch_instance ADD COLUMN IF NOT EXISTS file_stages jsonb;
 -- one the running dispatcher read (dispatch_instance.file_stages), so a stage added to the
 -- file counts once the dispatcher has reloaded it. Without a published file (no dispatcher of
 -- this version has started) nothing is checked here, and the dispatcher judges at its start.
--- TestConfigGraphCheckAgreesWithDaemon holds it to buildStages.
-CREATE OR REPLACE FUNCTION config_graph_check() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+-- TestConfigGraphCheckAgreesWithDaemon holds it to buildStages. SECURITY DEFINER: it reads
+-- dispatch_instance as the schema's owner, so that a role granted the config table alone may
+-- write it (as the writer, every write of such a role failed: TestConfigGraphCheckNarrowRole);
+-- it only reads, with its search_path pinned.
+CREATE OR REPLACE FUNCTION config_graph_check() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
     file  jsonb;
     sp    constant text := E'[\\t\\n\\v\\f\\r \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]';
@@ -560,7 +563,7 @@ END $$;
 -- Version), which a binary upgraded without re-applying this file meets as "column ... does not
 -- exist" in every claim. Raised with every change to this file, fanin.sql or operate.sql
 -- (TestSchemaVersion holds it to their text).
-CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql IMMUTABLE PARALLEL SAFE AS 'SELECT 2';
+CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql IMMUTABLE PARALLEL SAFE AS 'SELECT 3';
 
 DO $$
 BEGIN
