@@ -357,14 +357,27 @@ BEGIN
     IF cardinality(p_ids) = 0 THEN
         RETURN;
     END IF;
-    BEGIN
-        SELECT * INTO r FROM queue_rows(p_action, p_ids, p_reset);
-        changed := changed || r.changed;
-        running := running || r.running;
-        RETURN;
-    EXCEPTION WHEN integrity_constraint_violation OR plpgsql_error THEN
-        GET STACKED DIAGNOSTICS msg = MESSAGE_TEXT; -- rolled back to the block's start
-    END;
+    -- A deadlock (the write locks its rows in its plan's order, the dispatcher's claim and a
+    -- stage's outcome statement in theirs) or a serialization failure rolls the write's
+    -- subtransaction back, its row locks with it, and the write runs again: the caller
+    -- (pepsi-queue, the console, an operator's own SQL) got the error before, and the
+    -- action was not done (TestOperatorActionDeadlockRetried).
+    FOR attempt IN 1..5 LOOP
+        BEGIN
+            SELECT * INTO r FROM queue_rows(p_action, p_ids, p_reset);
+            changed := changed || r.changed;
+            running := running || r.running;
+            RETURN;
+        EXCEPTION
+            WHEN deadlock_detected OR serialization_failure THEN
+                IF attempt = 5 THEN
+                    RAISE;
+                END IF;
+            WHEN integrity_constraint_violation OR plpgsql_error THEN
+                GET STACKED DIAGNOSTICS msg = MESSAGE_TEXT; -- rolled back to the block's start
+                EXIT;
+        END;
+    END LOOP;
     IF cardinality(p_ids) = 1 THEN
         refused := refused || jsonb_build_object(p_ids[1]::text, msg);
         RETURN;

@@ -1061,3 +1061,49 @@ func tuplesRead(t *testing.T, tx *sql.Tx) (n int64) {
 	}
 	return n
 }
+
+// TestOperatorActionDeadlockRetried: an operator's hold of two pending rows meets another
+// transaction that locks them in the other order (as the claim, a stage's outcome statement or
+// another operator's call planned otherwise may): the deadlock aborts the operator's write, the
+// first to wait, and the function runs it again once the other transaction has its rows, so
+// that both rows are held and the call succeeds. Before, the call failed with 40P01 (seen in
+// TestOperatorLoopAgainstPipeline) and nothing was held.
+func TestOperatorActionDeadlockRetried(t *testing.T) {
+	s := newTestSchema(t)
+	a, b := insertOne(t, s, "a", `{}`), insertOne(t, s, "a", `{}`)
+	other, err := s.DB.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Rollback()
+	if _, err := other.Exec(`UPDATE workqueue SET state = '{"touched": 1}' WHERE workqueue_id = $1`, b); err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		held map[int64]bool
+		err  error
+	}
+	done := make(chan result, 1)
+	go func() {
+		held, err := tryAct(s.DB, "hold", a, b) // locks a, then waits for b
+		done <- result{held, err}
+	}()
+	waitFor(t, 10*time.Second, "the hold waiting for the other transaction's row", func() bool {
+		return s.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%queue_hold%'`) == 1
+	})
+	// The other transaction now wants a, which the hold has: a deadlock, which the hold (the
+	// first to wait) finds and gives up, its lock on a with it.
+	if _, err := other.Exec(`UPDATE workqueue SET state = '{"touched": 2}' WHERE workqueue_id = $1`, a); err != nil {
+		t.Fatalf("the other transaction's second row: %v", err)
+	}
+	if err := other.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("the hold that met a deadlock: %v", r.err)
+	}
+	if !r.held[a] || !r.held[b] || status(t, s, a) != "held" || status(t, s, b) != "held" {
+		t.Errorf("held %v; statuses %s, %s; want both held", r.held, status(t, s, a), status(t, s, b))
+	}
+}

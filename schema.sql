@@ -563,7 +563,7 @@ END $$;
 -- Version), which a binary upgraded without re-applying this file meets as "column ... does not
 -- exist" in every claim. Raised with every change to this file, fanin.sql or operate.sql
 -- (TestSchemaVersion holds it to their text).
-CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql IMMUTABLE PARALLEL SAFE AS 'SELECT 3';
+CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql IMMUTABLE PARALLEL SAFE AS 'SELECT 4';
 
 DO $$
 BEGIN
