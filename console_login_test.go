@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"log/slog"
 	"net/http"
 	"net/http/cookiejar"
@@ -12,24 +11,6 @@ import (
 	"time"
 )
 
-// lockedBuffer is a bytes.Buffer for a logger that HTTP handlers write at once.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // TestConsoleLoginRefusalsLogged: 200 logins with a wrong credential, from clients at once,
 // are each refused, and logged as one line (the first), not 200: a client that tries
 // credentials made the daemon's log a line per request, and journald's rate limit then
@@ -37,7 +18,7 @@ func (l *lockedBuffer) String() string {
 // many it left out. The right credential still logs in.
 func TestConsoleLoginRefusalsLogged(t *testing.T) {
 	h := newConsoleHarness(t, testConsoleToken)
-	var log lockedBuffer
+	var log syncBuffer
 	h.c.log = slog.New(slog.NewTextHandler(&log, nil))
 	cl := h.srv.Client()
 	var wg sync.WaitGroup
