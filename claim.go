@@ -599,6 +599,9 @@ func (c *coordinator) claim() {
 	now := time.Now()
 	clear(c.want)
 	for name, p := range c.pools {
+		if len(p.suspects) > 0 || p.alone {
+			p.updateAlone(now)
+		}
 		if p.held(now) || p.cfg.Paused || now.Before(p.refusedUntil) {
 			continue
 		}
@@ -758,6 +761,11 @@ func (c *coordinator) assign(p *pool, msgs []*message) {
 		n := min(p.room(w), len(msgs))
 		batch := msgs[:n:n]
 		msgs = msgs[n:]
+		if len(p.suspects) > 0 {
+			if _, ok := p.suspects[batch[0].id]; ok && n == 1 && len(w.queue) == 0 {
+				p.isolate(w, batch[0])
+			}
+		}
 		if len(w.queue) == 0 {
 			w.headAt = now
 			c.timers.scheduleEarlier(timerKey{timerWatchdog, w.id}, now.Add(c.cfg.Dispatch.MaxRuntime))
@@ -782,5 +790,8 @@ func (c *coordinator) assign(p *pool, msgs []*message) {
 		// No worker could take them (the program would not start): they were claimed, so
 		// they go back to pending, untouched.
 		c.resets = append(c.resets, msgs...)
+	}
+	if len(p.suspects) > 0 || p.alone {
+		p.updateAlone(now)
 	}
 }

@@ -697,7 +697,10 @@ func TestCrashAfterCommit(t *testing.T) {
 }
 
 // TestTimeoutKillsProcessGroup: a head unanswered for MAX_RUNTIME is a timeout; the worker's
-// whole process group dies, the rest of its queue goes back to pending.
+// whole process group dies, the rest of its queue goes back to pending. The raw worker reads
+// its three ids at once (a buffered reader), so the first timeout charges nobody and the
+// hung message runs again alone, where its timeout is charged (suspects.go): two kills, one
+// attempt.
 func TestTimeoutKillsProcessGroup(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
@@ -710,12 +713,18 @@ func TestTimeoutKillsProcessGroup(t *testing.T) {
 	if r := row(t, s, hung); r.attempts != 1 || !strings.Contains(r.reason, "timeout after 1s") {
 		t.Errorf("hung head: %+v", r)
 	}
-	child := s.count(t, `SELECT pid FROM runs WHERE stage = 'child'`)
-	waitFor(t, 10*time.Second, "the worker's child to die with it", func() bool { return syscall.Kill(child, 0) != nil })
+	children := 0
+	for _, child := range pids(t, s, `SELECT pid FROM runs WHERE stage = 'child'`) {
+		children++
+		waitFor(t, 10*time.Second, "the worker's child to die with it", func() bool { return syscall.Kill(child, 0) != nil })
+	}
+	if children != 2 {
+		t.Errorf("the hung message ran %d times, want twice: in its batch, then alone", children)
+	}
 	waitFor(t, 30*time.Second, "the others done", func() bool { return countStatus(t, s, "done") == 3 })
 	d.stop()
-	if s.count(t, `SELECT timeouts FROM stage_stats WHERE stage = 'a'`) != 1 {
-		t.Error("stage_stats.timeouts: want 1")
+	if n := s.count(t, `SELECT timeouts FROM stage_stats WHERE stage = 'a'`); n != 2 {
+		t.Errorf("stage_stats.timeouts: %d, want 2 (in its batch, then alone)", n)
 	}
 }
 
@@ -1284,4 +1293,26 @@ func TestFailureReasonOutsideDatabaseEncoding(t *testing.T) {
 	if strings.Contains(d.log.String(), "refused this message's failure write") {
 		t.Errorf("the failure write was refused:\n%s", d.log.String())
 	}
+}
+
+// pids returns the ints query selects, one per row.
+func pids(t *testing.T, s *testSchema, query string) []int {
+	t.Helper()
+	rows, err := s.DB.Query(query)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var out []int
+	for rows.Next() {
+		var n int
+		if err := rows.Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, n)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
 }

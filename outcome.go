@@ -79,6 +79,9 @@ func (c *coordinator) pop(w *worker, now time.Time) *message {
 	ms := now.Sub(w.headAt).Milliseconds()
 	c.stats.stage(w.stage).observe(ms)
 	w.headAt = now
+	if w.isolating {
+		c.pools[w.stage].isolationEnded(w, m, true, now) // answered: resolved, whatever its status
+	}
 	return m
 }
 

@@ -47,6 +47,12 @@ type pool struct {
 
 	// smallPipeSaid: a worker's stdin pipe that holds fewer than QUEUE_LIMIT ids was logged.
 	smallPipeSaid bool
+
+	// suspects: messages that were among several a dead worker had read, none charged; each
+	// runs next alone (suspects.go). alone: one of them waits to be claimed, so each worker
+	// is given one message at a time.
+	suspects map[int64]suspect
+	alone    bool
 }
 
 // fuseList returns PEPSI_FUSE for stage name: every FUSE = yes stage reachable from it through
@@ -87,10 +93,14 @@ func (p *pool) running() int {
 
 // room is how many more messages w can take now.
 func (p *pool) room(w *worker) int {
-	if w.state != workerRunning {
+	if w.state != workerRunning || w.isolating {
 		return 0
 	}
-	return min(w.limit-len(w.queue), p.cfg.MaxMessages-w.sent)
+	limit := w.limit
+	if p.alone {
+		limit = 1
+	}
+	return min(limit-len(w.queue), p.cfg.MaxMessages-w.sent)
 }
 
 // capacity is how many messages the stage may have in flight: each running worker's limit
@@ -98,13 +108,17 @@ func (p *pool) room(w *worker) int {
 // start. Draining workers' messages count against it (the claim subtracts all in flight).
 func (p *pool) capacity() int {
 	n, running := 0, 0
+	perNew := p.cfg.QueueLimit
+	if p.alone {
+		perNew = 1 // a suspect waits to be claimed (suspects.go)
+	}
 	for _, w := range p.workers {
 		if w.state == workerRunning {
-			n += w.limit
+			n += min(w.limit, perNew)
 			running++
 		}
 	}
-	return n + max(0, p.cfg.Parallelism-running)*p.cfg.QueueLimit
+	return n + max(0, p.cfg.Parallelism-running)*perNew
 }
 
 // pick returns the worker the next message should go to: the fullest one that still has room,

@@ -26,6 +26,9 @@ func (c *coordinator) setStages(stages map[string]*StageConfig) {
 		if o := old[name]; o != nil && o.cfg.Program == s.Program {
 			p.holdUntil, p.holdDelay = o.holdUntil, o.holdDelay // same program: same trouble
 		}
+		if o := old[name]; o != nil {
+			p.suspects, p.alone = o.suspects, o.alone // the messages, not the program, are suspected
+		}
 		c.pools[name] = p
 	}
 	c.keys.limitsOf(c.pools)

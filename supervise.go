@@ -196,6 +196,9 @@ func (c *coordinator) watchdog(key timerKey, now time.Time) {
 	}
 	c.log.Warn("message ran past MAX_RUNTIME; killing its worker", "stage", w.stage, "pid", w.pid,
 		"id", w.queue[0].id, "max_runtime", c.cfg.Dispatch.MaxRuntime)
+	if !w.isolating && len(w.queue) > 1 {
+		w.readAtKill = w.readCount(w.queue) // the kill closes our end of its stdin
+	}
 	w.end(fateTimeout)
 }
 
@@ -215,6 +218,13 @@ func (c *coordinator) onExit(ev workerExit) {
 	}
 	// Asked through our end of its stdin, so before closing it; only a death at start needs it.
 	readNone := diedAtStart(w, now) && w.readNone()
+	// And how many of its messages it had read, when it died with several in its queue: more
+	// than one, and which of them it was running is not known (suspects.go). The watchdog
+	// asked before its kill closed our end.
+	read := w.readAtKill
+	if !w.isolating && len(w.queue) > 1 && w.fate == fateNone {
+		read = w.readCount(w.queue)
+	}
 	w.closeStdin()
 	q := w.queue
 	w.queue = nil
@@ -253,6 +263,10 @@ func (c *coordinator) onExit(ev workerExit) {
 	if atStart && !spared && len(q) > 0 {
 		poison = c.recordStartupDeath(w, q[0])
 	}
+	charged := false // q[0] charged with the death: a suspect run alone is one no more
+	if w.isolating && len(q) > 0 {
+		defer func() { c.pools[w.stage].isolationEnded(w, q[0], charged, now) }()
+	}
 	switch {
 	case len(q) == 0:
 		if w.fate == fateNone {
@@ -268,8 +282,12 @@ func (c *coordinator) onExit(ev workerExit) {
 			"reason", reason, "requeued", len(q))
 		c.resets = append(c.resets, q...)
 		c.ha.update(func(s *haStatus) { s.outageRetried += int64(len(q)) })
+	case w.fate == fateTimeout && read > 1:
+		c.stats.stage(w.stage).Timeouts++
+		c.suspectRead(w, q, read, "worker killed after MAX_RUNTIME", now)
 	case w.fate == fateTimeout:
 		c.stats.stage(w.stage).Timeouts++
+		charged = true
 		c.fail(q[0], fmt.Sprintf("stage %s: timeout after %v (worker killed)", w.stage, c.cfg.Dispatch.MaxRuntime))
 		c.resets = append(c.resets, q[1:]...)
 	case w.fate == fateProtocol || w.fate == fateRetired || w.fate == fateCancelled:
@@ -281,7 +299,10 @@ func (c *coordinator) onExit(ev workerExit) {
 	case ev.state != nil && ev.state.Success():
 		log.Warn("worker exited without answering all its messages; they go back to pending", "unanswered", len(q))
 		c.resets = append(c.resets, q...)
+	case read > 1:
+		c.suspectRead(w, q, read, "worker crashed ("+reason+")", now)
 	default:
+		charged = true
 		// The head fails if its row is still the claim; if the stage had committed its
 		// outcome, the guarded write changes nothing and settleCrashes says so.
 		log.Warn("worker crashed; its head message fails unless its outcome had committed, the rest go back to pending",

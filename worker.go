@@ -76,11 +76,14 @@ type worker struct {
 	// limit is the most ids in flight to it: QUEUE_LIMIT, or fewer when its stdin pipe cannot
 	// hold that many (pipeLimit), so that the loop's write never waits for the worker.
 	limit     int
-	answered  int // status lines read
-	idleSince time.Time
-	state     workerState
-	fate      workerFate
-	started   time.Time
+	answered  int  // status lines read
+	isolating bool // it runs a suspect alone and takes nothing more until it answers (suspects.go)
+	// readAtKill: how many of its queue it had read when the watchdog killed it (-1: not told).
+	readAtKill int
+	idleSince  time.Time
+	state      workerState
+	fate       workerFate
+	started    time.Time
 }
 
 // workerReplies carries status lines read from a worker. Lines read in one go travel
@@ -158,7 +161,7 @@ func startWorker(ctx context.Context, wg *sync.WaitGroup, events chan<- event, l
 		errR.Close()
 		return nil, fmt.Errorf("start worker of stage %s: %w", s.Name, startFailure(s.Program, err))
 	}
-	w := &worker{id: id, stage: s.Name, gen: gen, pid: cmd.Process.Pid, cmd: cmd, stdin: inW,
+	w := &worker{id: id, readAtKill: -1, stage: s.Name, gen: gen, pid: cmd.Process.Pid, cmd: cmd, stdin: inW,
 		started: time.Now(), idleSince: time.Now(), limit: pipeLimit(inW, s.QueueLimit)}
 	wlog := log.With("stage", s.Name, "pid", w.pid)
 	readDone := make(chan struct{})

@@ -1,0 +1,128 @@
+package main
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+// batchOutcome is how one message of a batch test ended.
+type batchOutcome struct {
+	status   string
+	attempts int
+	runs     int
+	reason   string
+}
+
+func batchOutcomes(t *testing.T, s *testSchema, ids []int64) []batchOutcome {
+	t.Helper()
+	out := make([]batchOutcome, len(ids))
+	for i, id := range ids {
+		if err := s.DB.QueryRow(`SELECT status, attempts, coalesce(state->>'dispatch_error', ''),
+		        (SELECT count(*) FROM runs WHERE runs.id = w.workqueue_id)
+		        FROM workqueue w WHERE workqueue_id = $1`, id).Scan(&out[i].status, &out[i].attempts, &out[i].reason, &out[i].runs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return out
+}
+
+// enqueueBatch inserts one message per payload, in order, in one statement, and returns
+// their ids.
+func enqueueBatch(t *testing.T, s *testSchema, stage string, payloads ...string) []int64 {
+	t.Helper()
+	rows, err := s.DB.Query(`INSERT INTO workqueue (stage, payload)
+	        SELECT $1, p::jsonb FROM unnest($2::text[]) WITH ORDINALITY AS x(p, n) ORDER BY n RETURNING workqueue_id`,
+		stage, "{"+strings.Join(quoteAll(payloads), ",")+"}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var ids []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	return ids
+}
+
+func quoteAll(ss []string) []string {
+	out := make([]string, len(ss))
+	for i, s := range ss {
+		out[i] = `"` + strings.ReplaceAll(strings.ReplaceAll(s, `\`, `\\`), `"`, `\"`) + `"`
+	}
+	return out
+}
+
+// TestBatchHangChargesTheHanger: the SDK runs a worker's ids as a batch and answers them at
+// its commit, so when the second message of a batch hangs, the head has run and waits for
+// its answer. The head was charged with the timeout and the message at fault put back
+// without an attempt, to be batched again behind another head: the head failed, innocent,
+// after two timeouts, and the hanging one was charged only once it happened to be a head.
+// Now the worker had read four ids, none is charged, each runs next alone: the hanging one
+// times out alone (twice: MAX_ATTEMPTS = 2) and fails; the others are done, each run once,
+// no attempt charged.
+func TestBatchHangChargesTheHanger(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	ids := enqueueBatch(t, s, "a", `{}`, `{"hang_at": "a"}`, `{}`, `{}`)
+	conf := strings.Replace(baseConf(s, "MAX_RUNTIME = 2"), "WORKER_IDLE_TIMEOUT = 2", "WORKER_IDLE_TIMEOUT = 30", 1) +
+		stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4\nMAX_ATTEMPTS = 2\nRETRY_DELAY = 0")
+	d := startDaemon(t, conf, "pipeline")
+	waitFor(t, 60*time.Second, "every message of the batch ended", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('done', 'failed')`) == len(ids)
+	})
+	d.stop()
+	got := batchOutcomes(t, s, ids)
+	for i, o := range got {
+		if i == 1 {
+			if o.status != "failed" || o.attempts != 2 || !strings.Contains(o.reason, "timeout") {
+				t.Errorf("the hanging message %d: %+v, want failed after 2 timeouts", ids[i], o)
+			}
+			continue
+		}
+		if o.status != "done" || o.attempts != 0 || o.runs != 1 {
+			t.Errorf("message %d (%d of the batch, innocent): %+v, want done, run once, no attempt charged", ids[i], i+1, o)
+		}
+	}
+	if !strings.Contains(d.log.String(), "which of them it was running is not known") {
+		t.Error("the log does not say why nobody was charged at the batch's timeout")
+	}
+}
+
+// TestBatchCrashChargesTheCrasher: the same for a crash. A worker that has answered (so its
+// death is not taken for a program that cannot start) is given a batch whose second message
+// crashes it: before, the head failed at once (MAX_ATTEMPTS = 1), innocent.
+func TestBatchCrashChargesTheCrasher(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	conf := strings.Replace(baseConf(s, ""), "WORKER_IDLE_TIMEOUT = 2", "WORKER_IDLE_TIMEOUT = 30", 1) +
+		stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4\nMAX_ATTEMPTS = 1")
+	d := startDaemon(t, conf, "pipeline")
+	first := enqueueBatch(t, s, "a", `{}`)
+	waitFor(t, 30*time.Second, "the first message done", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'done'`, first[0]) == 1
+	})
+	// The worker is idle; the next four ids reach it in one write, and the SDK reads them as
+	// one batch (its first message takes less than the 100 ms that would close it).
+	ids := enqueueBatch(t, s, "a", `{}`, `{"crash_at": "a"}`, `{}`, `{}`)
+	waitFor(t, 60*time.Second, "every message of the batch ended", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('done', 'failed')`) == len(ids)+1
+	})
+	d.stop()
+	got := batchOutcomes(t, s, ids)
+	for i, o := range got {
+		if i == 1 {
+			if o.status != "failed" || o.attempts != 1 || !strings.Contains(o.reason, "exited with status 3") {
+				t.Errorf("the crashing message %d: %+v, want failed for its crash", ids[i], o)
+			}
+			continue
+		}
+		if o.status != "done" || o.attempts != 0 || o.runs != 1 {
+			t.Errorf("message %d (%d of the batch, innocent): %+v, want done, run once, no attempt charged", ids[i], i+1, o)
+		}
+	}
+}
