@@ -230,7 +230,11 @@ type behaviour struct {
 	FailAt  string `json:"fail_at"`  // return an error at this stage (while attempts < FailN)
 	FailN   int    `json:"fail_n"`   // how many attempts fail at FailAt (0 = all)
 	CrashAt string `json:"crash_at"` // exit the process mid-message at this stage
-	HangAt  string `json:"hang_at"`  // never answer at this stage
+	// CrashWarm: exit mid-message at this stage, but only in a worker that has handled more
+	// than 8 messages, two batches of a QUEUE_LIMIT of 4 (so it answered some: a crash, not a
+	// program that cannot start, which holds the stage); in a fresh one, go on as if not asked.
+	CrashWarm string `json:"crash_warm"`
+	HangAt    string `json:"hang_at"` // never answer at this stage
 	// HoldAt: at this stage, the first attempt writes its own row in the outcome's transaction
 	// and then waits in a statement that does not end (pg_sleep): MAX_RUNTIME kills the worker.
 	// Its session, busy in the statement, keeps the row's lock until the statement is
@@ -259,12 +263,17 @@ func pipelineWorker() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
+	handled := 0 // messages this process has handled before this one
 	h := func(ctx context.Context, m *stage.Message) error {
+		handled++
 		var b behaviour
 		if len(m.Payload) > 0 {
 			if err := json.Unmarshal(m.Payload, &b); err != nil {
 				return fmt.Errorf("decode payload: %w", err)
 			}
+		}
+		if b.CrashWarm == m.Stage && handled > 8 {
+			os.Exit(3)
 		}
 		if b.SleepMs > 0 {
 			time.Sleep(time.Duration(b.SleepMs) * time.Millisecond)

@@ -311,6 +311,7 @@ func (m *metricsServer) write(ctx context.Context, w io.Writer) {
 	if m.locks != nil {
 		m.locks.writeMetrics(w)
 	}
+	writeProcessMetrics(p)
 }
 
 // otherStages is the stage label of the rows of the stages past strayListMax that the

@@ -555,10 +555,14 @@ func waitShownGone(t *testing.T, addr, gauge, id string) {
 	}
 }
 
+// metricClient keeps no connection between scrapes: each kept would be a goroutine and a
+// descriptor of the daemon's (TestLongRunLeavesNoTrace counts them).
+var metricClient = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+
 // metric reads one sample of the daemon's /metrics.
 func metric(t testing.TB, addr, name string) (float64, bool) {
 	t.Helper()
-	resp, err := http.Get("http://" + addr + "/metrics")
+	resp, err := metricClient.Get("http://" + addr + "/metrics")
 	if err != nil {
 		return 0, false
 	}
