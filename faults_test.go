@@ -714,9 +714,9 @@ func TestTimeoutKillsProcessGroup(t *testing.T) {
 		t.Errorf("hung head: %+v", r)
 	}
 	children := 0
-	for _, child := range pids(t, s, `SELECT pid FROM runs WHERE stage = 'child'`) {
+	for _, child := range ids(t, s, `SELECT pid FROM runs WHERE stage = 'child'`) {
 		children++
-		waitFor(t, 10*time.Second, "the worker's child to die with it", func() bool { return syscall.Kill(child, 0) != nil })
+		waitFor(t, 10*time.Second, "the worker's child to die with it", func() bool { return syscall.Kill(int(child), 0) != nil })
 	}
 	if children != 2 {
 		t.Errorf("the hung message ran %d times, want twice: in its batch, then alone", children)
@@ -1293,26 +1293,4 @@ func TestFailureReasonOutsideDatabaseEncoding(t *testing.T) {
 	if strings.Contains(d.log.String(), "refused this message's failure write") {
 		t.Errorf("the failure write was refused:\n%s", d.log.String())
 	}
-}
-
-// pids returns the ints query selects, one per row.
-func pids(t *testing.T, s *testSchema, query string) []int {
-	t.Helper()
-	rows, err := s.DB.Query(query)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rows.Close()
-	var out []int
-	for rows.Next() {
-		var n int
-		if err := rows.Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, n)
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return out
 }

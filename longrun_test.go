@@ -131,22 +131,9 @@ func longRunRound(t *testing.T, s *testSchema, d *daemon, web *http.Client, addr
 	enqueue(t, s, "a", 2, `{"hang_at": "b"}`)    // killed by MAX_RUNTIME, twice; one cancelled while it runs
 	enqueue(t, s, "a", 20, `{"defer_at": "a", "defer_ms": 200}`)
 	enqueue(t, s, "a", 20, `{"fail_at": "a", "fail_n": 1}`) // fails once, then done
-	ids := func(where string) []int64 {
+	sel := func(where string) []int64 {
 		t.Helper()
-		rows, err := s.DB.Query(`SELECT workqueue_id FROM workqueue WHERE workqueue_id > $1 AND `+where+` ORDER BY 1`, lo)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer rows.Close()
-		var out []int64
-		for rows.Next() {
-			var id int64
-			if err := rows.Scan(&id); err != nil {
-				t.Fatal(err)
-			}
-			out = append(out, id)
-		}
-		return out
+		return ids(t, s, `SELECT workqueue_id FROM workqueue WHERE workqueue_id > $1 AND `+where+` ORDER BY 1`, lo)
 	}
 	var wg sync.WaitGroup
 	wg.Add(2)
@@ -164,7 +151,7 @@ func longRunRound(t *testing.T, s *testSchema, d *daemon, web *http.Client, addr
 	}()
 	go func() { defer wg.Done(); lockClients(t, lockAddr, 16) }()
 
-	slow := ids(`payload->>'sleep_ms' = '50'`)
+	slow := sel(`payload->>'sleep_ms' = '50'`)
 	var back []int64
 	for id := range act(t, s.DB, "hold", slow[:10]...) {
 		back = append(back, id)
@@ -182,13 +169,13 @@ func longRunRound(t *testing.T, s *testSchema, d *daemon, web *http.Client, addr
 		s.exec(t, `DELETE FROM config WHERE section = 'stage-b'`)
 	}
 	// A message that hangs at b, cancelled while its worker runs it (or while it waits).
-	hang := ids(`payload ? 'hang_at'`)
+	hang := sel(`payload ? 'hang_at'`)
 	waitFor(t, 60*time.Second, "a hanging message at b", func() bool {
 		return s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND stage = 'b'`, hang[0]) == 1
 	})
 	act(t, s.DB, "cancel", hang[0])
 	// The failing ones, retried by the operator once they failed: they fail again.
-	fail := ids(`payload->>'fail_at' = 'b'`)
+	fail := sel(`payload->>'fail_at' = 'b'`)
 	waitFor(t, 60*time.Second, "the round's failing messages failed", func() bool {
 		return s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = ANY ($1) AND status = 'failed'`, pq.Array(fail)) == len(fail)
 	})

@@ -31,22 +31,9 @@ func batchOutcomes(t *testing.T, s *testSchema, ids []int64) []batchOutcome {
 // their ids.
 func enqueueBatch(t *testing.T, s *testSchema, stage string, payloads ...string) []int64 {
 	t.Helper()
-	rows, err := s.DB.Query(`INSERT INTO workqueue (stage, payload)
+	return ids(t, s, `INSERT INTO workqueue (stage, payload)
 	        SELECT $1, p::jsonb FROM unnest($2::text[]) WITH ORDINALITY AS x(p, n) ORDER BY n RETURNING workqueue_id`,
 		stage, "{"+strings.Join(quoteAll(payloads), ",")+"}")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rows.Close()
-	var ids []int64
-	for rows.Next() {
-		var id int64
-		if err := rows.Scan(&id); err != nil {
-			t.Fatal(err)
-		}
-		ids = append(ids, id)
-	}
-	return ids
 }
 
 func quoteAll(ss []string) []string {
@@ -76,18 +63,7 @@ func TestBatchHangChargesTheHanger(t *testing.T) {
 		return s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('done', 'failed')`) == len(ids)
 	})
 	d.stop()
-	got := batchOutcomes(t, s, ids)
-	for i, o := range got {
-		if i == 1 {
-			if o.status != "failed" || o.attempts != 2 || !strings.Contains(o.reason, "timeout") {
-				t.Errorf("the hanging message %d: %+v, want failed after 2 timeouts", ids[i], o)
-			}
-			continue
-		}
-		if o.status != "done" || o.attempts != 0 || o.runs != 1 {
-			t.Errorf("message %d (%d of the batch, innocent): %+v, want done, run once, no attempt charged", ids[i], i+1, o)
-		}
-	}
+	onlyCulpritCharged(t, s, ids, 1, 2, "timeout")
 	if !strings.Contains(d.log.String(), "which of them it was running is not known") {
 		t.Error("the log does not say why nobody was charged at the batch's timeout")
 	}
@@ -113,15 +89,20 @@ func TestBatchCrashChargesTheCrasher(t *testing.T) {
 		return s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('done', 'failed')`) == len(ids)+1
 	})
 	d.stop()
-	got := batchOutcomes(t, s, ids)
-	for i, o := range got {
-		if i == 1 {
-			if o.status != "failed" || o.attempts != 1 || !strings.Contains(o.reason, "exited with status 3") {
-				t.Errorf("the crashing message %d: %+v, want failed for its crash", ids[i], o)
+	onlyCulpritCharged(t, s, ids, 1, 1, "exited with status 3")
+}
+
+// onlyCulpritCharged checks that the message ids[culprit] failed after attempts attempts
+// for a reason with the words why, and that the others are done, each run once, with no
+// attempt charged.
+func onlyCulpritCharged(t *testing.T, s *testSchema, ids []int64, culprit, attempts int, why string) {
+	t.Helper()
+	for i, o := range batchOutcomes(t, s, ids) {
+		if i == culprit {
+			if o.status != "failed" || o.attempts != attempts || !strings.Contains(o.reason, why) {
+				t.Errorf("the message at fault, %d: %+v, want failed after %d attempts (%s)", ids[i], o, attempts, why)
 			}
-			continue
-		}
-		if o.status != "done" || o.attempts != 0 || o.runs != 1 {
+		} else if o.status != "done" || o.attempts != 0 || o.runs != 1 {
 			t.Errorf("message %d (%d of the batch, innocent): %+v, want done, run once, no attempt charged", ids[i], i+1, o)
 		}
 	}
