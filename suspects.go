@@ -39,9 +39,9 @@ type suspect struct {
 }
 
 // readCount returns how many of q, w's unanswered messages in the order written, the worker
-// had read from its stdin pipe, or -1 when that cannot be told (our end closed already: its
-// input was ended for MAX_MESSAGES or a retirement, or the count refused). A line read in
-// part counts as read.
+// had read from its stdin pipe, or -1 when that cannot be told (our end closed already, as
+// a shutdown's grace does to let workers finish their queues, or the count refused). A line
+// read in part counts as read.
 func (w *worker) readCount(q []*message) int {
 	if w.stdin == nil {
 		return -1
