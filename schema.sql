@@ -448,7 +448,8 @@ BEGIN
             CASE WHEN bad.next IS NULL THEN format('[stage-%s] has no PROGRAM', bad.stage)
                  ELSE format('[stage-%s] NEXT names stage %s, which is not defined', bad.stage, to_json(bad.next)) END
             USING ERRCODE = 'check_violation',
-                  HINT = 'pepsi-dispatch would refuse this graph at its next reload, and stop (pepsi.conf(5)); the file''s stages are those of its last start or reload: '
+                  HINT = CASE WHEN TG_OP = 'TRUNCATE' THEN 'a TRUNCATE is checked as it runs, not at the commit: DELETE FROM config, to put rows back in the same transaction; ' ELSE '' END
+                         || 'pepsi-dispatch would refuse this graph at its next reload, and stop (pepsi.conf(5)); the file''s stages are those of its last start or reload: '
                          || coalesce((SELECT string_agg(k, ' ' ORDER BY k) FROM jsonb_object_keys(file) k), '(none)');
     END LOOP;
     RETURN NULL;
@@ -463,6 +464,13 @@ BEGIN
         DEFERRABLE INITIALLY DEFERRED
         FOR EACH ROW EXECUTE FUNCTION config_graph_check();
 END $$;
+
+-- A TRUNCATE fires no row trigger, and a constraint trigger cannot be on it: it emptied the
+-- table unchecked, and its notification (config_notify) made the running dispatcher reload a
+-- graph whose file names a stage only the table had, and stop. It is checked as it runs
+-- (the graph is the file's alone then); DELETE FROM config is checked at the commit.
+CREATE OR REPLACE TRIGGER config_graph_truncate AFTER TRUNCATE ON config
+    FOR EACH STATEMENT EXECUTE FUNCTION config_graph_check();
 
 -- The fence of a dispatcher that lost the system to another (failover.go, standby.go). A
 -- worker's session carries its dispatcher's epoch in its application_name ('pepsi-worker KEY
@@ -563,7 +571,7 @@ END $$;
 -- Version), which a binary upgraded without re-applying this file meets as "column ... does not
 -- exist" in every claim. Raised with every change to this file, fanin.sql or operate.sql
 -- (TestSchemaVersion holds it to their text).
-CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql IMMUTABLE PARALLEL SAFE AS 'SELECT 4';
+CREATE OR REPLACE FUNCTION pepsi_schema_version() RETURNS int LANGUAGE sql IMMUTABLE PARALLEL SAFE AS 'SELECT 5';
 
 DO $$
 BEGIN

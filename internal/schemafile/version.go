@@ -11,7 +11,7 @@ import (
 // change to schema.sql, fanin.sql or operate.sql, which TestSchemaVersion holds to their text,
 // so that a program upgraded without its schema says so at its start, instead of failing
 // statement by statement ("column w.key_parked does not exist" at every claim).
-const Version = 4
+const Version = 5
 
 // Apply is what to do about a schema that is missing or older.
 const Apply = `psql -v ON_ERROR_STOP=1 -f schema.sql "$DSN"`
