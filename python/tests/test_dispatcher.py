@@ -282,3 +282,26 @@ def test_role_client_encoding(schema: Schema, daemon_factory, role_factory) -> N
     failed = schema.failed()
     assert failed == [], f"messages failed: {failed}"
     assert schema.one("SELECT count(*) FROM workqueue WHERE state->>'seen' = %s", (text,)) == n
+
+
+def test_batch_timeout_charges_the_hanger(schema: Schema, daemon_factory) -> None:
+    """The SDK runs a worker's ids as a batch and answers them at its commit: when the second
+    message of a batch hangs, the head has run and waits for its answer. The dispatcher
+    charged the head (innocent, failed after two timeouts) and put the hanging one back
+    uncharged. Now the worker had read four ids: none is charged, each runs next alone, and
+    only the hanging one times out there, twice, and fails (pepsi-worker(7), "Several ids
+    read")."""
+    ids = schema.enqueue("a", [{}, {"sleep_ms": 3600_000}, {}, {}])
+    stages = stage_conf("a", PROG, "", "PARALLELISM = 1\nQUEUE_LIMIT = 4\nMAX_ATTEMPTS = 2\nRETRY_DELAY = 0")
+    d = daemon_factory(base_conf(schema, stages, "MAX_RUNTIME = 3"))
+    wait_for("every message of the batch ended", lambda: unfinished(schema) == 0, 60)
+    assert d.stop() == 0
+    for i, id_ in enumerate(ids):
+        status, attempts, runs = schema.one(
+            "SELECT status, attempts, (SELECT count(*) FROM runs WHERE runs.id = w.workqueue_id) "
+            "FROM workqueue w WHERE workqueue_id = %s", (id_,))
+        if i == 1:
+            assert (status, attempts, runs) == ("failed", 2, 0), f"the hanging message {id_}"
+        else:
+            assert (status, attempts, runs) == ("done", 0, 1), f"message {id_}, innocent"
+    assert "which of them it was running is not known" in d.log()
