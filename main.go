@@ -159,6 +159,9 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger) error {
 	if cfg.DSN == "" && cfg.PoolCounter.Listen == "" {
 		return &configError{cfg.Path, "", "nothing to run: set [database] DSN (dispatcher) or [poolcounter] LISTEN (lock service)"}
 	}
+	if err := keepInheritedFromWorkers(); err != nil {
+		log.Warn("descriptors the daemon was started with may reach its workers", "err", err)
+	}
 	sigs := make(chan os.Signal, 2) // two: the shutdown and the one that hurries it
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	defer signal.Stop(sigs)
