@@ -28,7 +28,8 @@ import (
 // {"garbage": true} answers a line that is not a status; {"commit_then_crash": true} commits
 // the message's outcome and dies before answering; {"spawn_and_hang": true} starts a child
 // process (recorded in runs with stage 'child') and never answers; {"reply_hex": H} answers
-// the bytes H (in hex) as its line, without a write. Other messages finish.
+// the bytes H (in hex) as its line, without a write. Other messages finish, answered "0" or,
+// with {"reply": L}, the line L.
 func rawWorker() int {
 	db, err := sql.Open("postgres", os.Getenv("PEPSI_DSN"))
 	if err != nil {
@@ -51,6 +52,7 @@ func rawWorker() int {
 			CommitThenCrash bool   `json:"commit_then_crash"`
 			SpawnAndHang    bool   `json:"spawn_and_hang"`
 			ReplyHex        string `json:"reply_hex"`
+			Reply           string `json:"reply"` // the status line after the commit, "0" without it
 		}
 		json.Unmarshal(payload, &b)
 		switch {
@@ -89,7 +91,10 @@ func rawWorker() int {
 		if b.CommitThenCrash {
 			os.Exit(4)
 		}
-		fmt.Println("0")
+		if b.Reply == "" {
+			b.Reply = "0"
+		}
+		fmt.Println(b.Reply)
 	}
 	return 0
 }

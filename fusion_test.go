@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -151,4 +152,37 @@ func TestStageFusionFallback(t *testing.T) {
 		t.Errorf("stage_stats b.workers_started = %d, want b's pool started", got)
 	}
 	d.stop()
+}
+
+// TestFusedReportsOnlyOfFusedStages: a stage program that writes a fused report naming a
+// stage of its own per message (a tenant, here) made a stage_stats row, a set of /metrics
+// series and a console section per name, for the daemon's life, and a warning per malformed
+// one. Only the stages of the worker's PEPSI_FUSE count now; the others are logged once per
+// worker. A fused report of a stage it may run still counts.
+func TestFusedReportsOnlyOfFusedStages(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	addr := freePort(t)
+	conf := baseConf(s, "METRICS_LISTEN = "+addr) + stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 8")
+	d := startDaemon(t, conf, "raw")
+	const n = 200
+	s.exec(t, `INSERT INTO workqueue (stage, payload)
+	        SELECT 'a', jsonb_build_object('reply', '0 fused=tenant-' || g || ':1') FROM generate_series(1, $1) g`, n)
+	s.exec(t, `INSERT INTO workqueue (stage, payload) VALUES ('a', '{"reply": "0 fused=bad"}')`)
+	waitFor(t, 60*time.Second, "every message done", func() bool { return countStatus(t, s, "done") == n+1 })
+	var body string
+	waitFor(t, 10*time.Second, "/metrics with every message processed", func() bool {
+		body = scrape(addr)
+		return strings.Contains(body, fmt.Sprintf("pepsi_stage_processed_total{stage=\"a\"} %d\n", n+1))
+	})
+	d.stop()
+	if rows := s.count(t, `SELECT count(*) FROM stage_stats WHERE stage LIKE 'tenant-%'`); rows != 0 {
+		t.Errorf("%d stage_stats rows of stages the worker may not run", rows)
+	}
+	if strings.Contains(body, "tenant-") {
+		t.Error("/metrics has series of stages the worker may not run")
+	}
+	if lines := strings.Count(d.log.String(), "ignoring a fused report"); lines != 1 {
+		t.Errorf("%d lines for the ignored fused reports of the stage's one worker, want one", lines)
+	}
 }

@@ -101,13 +101,31 @@ func (c *coordinator) onSuccess(w *worker, m *message, r reply) {
 		c.stats.Global.Done++
 	}
 	for _, f := range r.fused {
+		// Only the stages its PEPSI_FUSE named: each stage reported is a stage_stats row, a
+		// set of /metrics series and a section of the console for the daemon's life, and a
+		// stage program that wrote a name of its own per message (a tenant, an id) made as
+		// many (TestFusedReportsOnlyOfFusedStages).
+		if !w.fusable[f.stage] {
+			c.fusedReportIgnored(w, "a stage this stage's workers may not run (PEPSI_FUSE)", f.stage)
+			continue
+		}
 		fs := c.stats.stage(f.stage)
 		fs.Fused++
 		fs.observe(f.ms)
 	}
 	for _, word := range r.malformed {
-		c.log.Warn("ignoring malformed fused report", "stage", w.stage, "pid", w.pid, "word", clip(word, 80))
+		c.fusedReportIgnored(w, "malformed", word)
 	}
+}
+
+// fusedReportIgnored logs a fused report of w's that is not counted, once per worker: a
+// program that writes one per message would otherwise make a warning per message.
+func (c *coordinator) fusedReportIgnored(w *worker, why, what string) {
+	if w.fusedIgnored {
+		return
+	}
+	w.fusedIgnored = true
+	c.log.Warn("ignoring a fused report: "+why+"; said once per worker", "stage", w.stage, "pid", w.pid, "report", clip(what, 80))
 }
 
 // fail queues a failure write for m: an attempt, then paused or failed.

@@ -34,7 +34,8 @@ type pool struct {
 	refusedUntil time.Time
 	refused      bool
 
-	fuse string // PEPSI_FUSE for its workers: the stages they may run in the same pass
+	fuse    string          // PEPSI_FUSE for its workers: the stages they may run in the same pass
+	fusable map[string]bool // the stages of fuse: the fused reports its workers may make
 
 	// startupHead is the head message of the last worker that died before its first answer.
 	// The same message at the head of a second such death is taken for a message that kills

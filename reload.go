@@ -21,7 +21,11 @@ func (c *coordinator) setStages(stages map[string]*StageConfig) {
 	old := c.pools
 	c.pools = map[string]*pool{}
 	for name, s := range stages {
-		p := &pool{id: c.nextPoolID, cfg: s, gen: c.gen, fuse: fuseList(stages, name)}
+		p := &pool{id: c.nextPoolID, cfg: s, gen: c.gen, fuse: fuseList(stages, name), fusable: map[string]bool{}}
+		for _, f := range strings.Fields(p.fuse) {
+			stage, _, _ := strings.Cut(f, "=")
+			p.fusable[stage] = true
+		}
 		c.nextPoolID++
 		if o := old[name]; o != nil && o.cfg.Program == s.Program {
 			p.holdUntil, p.holdDelay = o.holdUntil, o.holdDelay // same program: same trouble

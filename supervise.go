@@ -75,6 +75,7 @@ func (c *coordinator) spawn(p *pool, now time.Time) *worker {
 			"stage", p.cfg.Name, "program", p.cfg.Program, "err", err, "hold", d)
 		return nil
 	}
+	w.fusable = p.fusable
 	c.workers[id] = w
 	p.workers = append(p.workers, w)
 	if w.limit < p.cfg.QueueLimit && !p.smallPipeSaid {

@@ -80,10 +80,14 @@ type worker struct {
 	isolating bool // it runs a suspect alone and takes nothing more until it answers (suspects.go)
 	// readAtKill: how many of its queue it had read when the watchdog killed it (-1: not told).
 	readAtKill int
-	idleSince  time.Time
-	state      workerState
-	fate       workerFate
-	started    time.Time
+	// fusable: the stages of the PEPSI_FUSE it was started with, which it may report as
+	// fused (its pool's, shared, read only); fusedIgnored: a report it made otherwise was logged.
+	fusable      map[string]bool
+	fusedIgnored bool
+	idleSince    time.Time
+	state        workerState
+	fate         workerFate
+	started      time.Time
 }
 
 // workerReplies carries status lines read from a worker. Lines read in one go travel
