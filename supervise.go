@@ -260,8 +260,11 @@ func (c *coordinator) onExit(ev workerExit) {
 	// TestWorkerConnectRefusedChargesNothing).
 	noSession := atStart && ev.signs.noSession
 	spared := atStart && (readNone || noSession)
+	// A worker that had read several of its ids was running one of them, not starting: which
+	// one is found by running each alone (suspects.go), not by its head's history of deaths.
+	batch := read > 1
 	poison := false
-	if atStart && !spared && len(q) > 0 {
+	if atStart && !spared && len(q) > 0 && !batch {
 		poison = c.recordStartupDeath(w, q[0])
 	}
 	charged := false // q[0] charged with the death: a suspect run alone is one no more
@@ -294,7 +297,7 @@ func (c *coordinator) onExit(ev workerExit) {
 	case w.fate == fateProtocol || w.fate == fateRetired || w.fate == fateCancelled:
 		// The resets are guarded by the claim: a cancelled head is left as the operator left it.
 		c.resets = append(c.resets, q...)
-	case atStart && !poison:
+	case atStart && !poison && !batch:
 		c.holdStage(w, reason, startDeath{readNone: readNone, noSession: noSession}, now)
 		c.resets = append(c.resets, q...)
 	case ev.state != nil && ev.state.Success():

@@ -18,7 +18,10 @@
 // back to pending, and each of them runs next in a worker that has been given nothing else
 // (alone), where a timeout or crash is its own. Until the suspects are claimed again, the
 // stage gives each worker one message at a time (a worker given one could not batch it with
-// another); the worker that has a suspect takes nothing more until it answers.
+// another); the worker that has a suspect takes nothing more until it answers. A worker that
+// dies so in its first seconds, before any answer, was running them, not failing to start:
+// neither its stage's cool-down nor the poison rule of its head (supervise.go) applies
+// (TestBatchCrashFreshWorker: the innocent head was taken for the poison and failed).
 
 package main
 

@@ -107,3 +107,21 @@ func onlyCulpritCharged(t *testing.T, s *testSchema, ids []int64, culprit, attem
 		}
 	}
 }
+
+// TestBatchCrashFreshWorker: the crash of TestBatchCrashChargesTheCrasher in a worker's
+// first batch, within its first seconds, where a death is first taken for a program that
+// cannot start (the stage held a moment) and the same head twice for a message that kills
+// its workers: that head was the batch's first, innocent, and failed.
+func TestBatchCrashFreshWorker(t *testing.T) {
+	s := newTestSchema(t)
+	s.exec(t, runsDDL)
+	ids := enqueueBatch(t, s, "a", `{}`, `{"crash_at": "a"}`, `{}`, `{}`)
+	conf := strings.Replace(baseConf(s, ""), "WORKER_IDLE_TIMEOUT = 2", "WORKER_IDLE_TIMEOUT = 30", 1) +
+		stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4\nMAX_ATTEMPTS = 1")
+	d := startDaemon(t, conf, "pipeline")
+	waitFor(t, 60*time.Second, "every message of the batch ended", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('done', 'failed')`) == len(ids)
+	})
+	d.stop()
+	onlyCulpritCharged(t, s, ids, 1, 1, "exited with status 3")
+}
