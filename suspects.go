@@ -7,9 +7,9 @@
 // the head already when a later message of the batch hangs or crashes it, and the head's
 // answer waits for the batch: the head was charged for the other's timeout, and the message
 // at fault went back to pending without an attempt, to be batched again behind another head.
-// One message whose handler hangs failed a message of every batch it was in and never failed
-// itself (TestBatchHangChargesTheHanger: 2 of 3 innocent heads failed after two timeouts
-// each, the hanging message was never charged).
+// One message whose handler hangs cost an attempt to the head of every batch it was in
+// behind another (TestBatchHangChargesTheHanger: the innocent head failed after two
+// timeouts; the longer the queue, the more such heads), and was charged only as a head.
 //
 // How many of its ids a worker had read is known through our end of its stdin pipe
 // (FIONREAD: the unread bytes are the tail of what was written). When it had read one, that
