@@ -288,7 +288,7 @@ func (c *coordinator) onExit(ev workerExit) {
 		c.ha.update(func(s *haStatus) { s.outageRetried += int64(len(q)) })
 	case w.fate == fateTimeout && read > 1:
 		c.stats.stage(w.stage).Timeouts++
-		c.suspectRead(w, q, read, "worker killed after MAX_RUNTIME", now)
+		c.suspectRead(w, q, read, "worker killed after MAX_RUNTIME", fmt.Sprintf("timeout after %v (worker killed)", c.cfg.Dispatch.MaxRuntime), now)
 	case w.fate == fateTimeout:
 		c.stats.stage(w.stage).Timeouts++
 		charged = true
@@ -304,7 +304,7 @@ func (c *coordinator) onExit(ev workerExit) {
 		log.Warn("worker exited without answering all its messages; they go back to pending", "unanswered", len(q))
 		c.resets = append(c.resets, q...)
 	case read > 1:
-		c.suspectRead(w, q, read, "worker crashed ("+reason+")", now)
+		c.suspectRead(w, q, read, "worker crashed", reason, now)
 	default:
 		charged = true
 		// The head fails if its row is still the claim; if the stage had committed its

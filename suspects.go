@@ -35,6 +35,10 @@ import (
 // stage's workers at one message each; past it, it is claimed as any other message.
 const suspectWait = 30 * time.Second
 
+// suspectsLogged is how many of a dead worker's suspects its log line names (QUEUE_LIMIT may
+// be up to 1,000).
+const suspectsLogged = 10
+
 // suspect is a message that was among several a dead worker had read.
 type suspect struct {
 	since    time.Time // when it became one, or went back to pending as one
@@ -115,14 +119,14 @@ func (p *pool) isolationEnded(w *worker, m *message, resolved bool, now time.Tim
 }
 
 // suspectRead puts back the queue q of w, dead, which had read read of them (more than one):
-// none charged, the read ones suspects.
-func (c *coordinator) suspectRead(w *worker, q []*message, read int, what string, now time.Time) {
-	ids := make([]int64, read)
-	for i, m := range q[:read] {
-		ids[i] = m.id
+// none charged, the read ones suspects. The log line names the first suspectsLogged.
+func (c *coordinator) suspectRead(w *worker, q []*message, read int, what, reason string, now time.Time) {
+	ids := make([]int64, min(read, suspectsLogged))
+	for i := range ids {
+		ids[i] = q[i].id
 	}
 	c.log.Warn(what+" with several messages read: which of them it was running is not known; none is charged, they go back to pending and each runs next alone",
-		"stage", w.stage, "pid", w.pid, "read", ids, "requeued", len(q))
+		"stage", w.stage, "pid", w.pid, "reason", reason, "read", read, "ids", ids, "requeued", len(q))
 	if p := c.pools[w.stage]; p != nil {
 		p.markSuspects(q[:read], now)
 	}
