@@ -56,12 +56,8 @@ func TestBatchHangChargesTheHanger(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
 	ids := enqueueBatch(t, s, "a", `{}`, `{"hang_at": "a"}`, `{}`, `{}`)
-	conf := strings.Replace(baseConf(s, "MAX_RUNTIME = 2"), "WORKER_IDLE_TIMEOUT = 2", "WORKER_IDLE_TIMEOUT = 30", 1) +
-		stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4\nMAX_ATTEMPTS = 2\nRETRY_DELAY = 0")
-	d := startDaemon(t, conf, "pipeline")
-	waitFor(t, 60*time.Second, "every message of the batch ended", func() bool {
-		return s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('done', 'failed')`) == len(ids)
-	})
+	d := batchDaemon(t, s, "MAX_RUNTIME = 2", "MAX_ATTEMPTS = 2\nRETRY_DELAY = 0")
+	waitBatchEnded(t, s, len(ids))
 	d.stop()
 	onlyCulpritCharged(t, s, ids, 1, 2, "timeout")
 	if !strings.Contains(d.log.String(), "which of them it was running is not known") {
@@ -75,9 +71,7 @@ func TestBatchHangChargesTheHanger(t *testing.T) {
 func TestBatchCrashChargesTheCrasher(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
-	conf := strings.Replace(baseConf(s, ""), "WORKER_IDLE_TIMEOUT = 2", "WORKER_IDLE_TIMEOUT = 30", 1) +
-		stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4\nMAX_ATTEMPTS = 1")
-	d := startDaemon(t, conf, "pipeline")
+	d := batchDaemon(t, s, "", "MAX_ATTEMPTS = 1")
 	first := enqueueBatch(t, s, "a", `{}`)
 	waitFor(t, 30*time.Second, "the first message done", func() bool {
 		return s.count(t, `SELECT count(*) FROM workqueue WHERE workqueue_id = $1 AND status = 'done'`, first[0]) == 1
@@ -85,9 +79,7 @@ func TestBatchCrashChargesTheCrasher(t *testing.T) {
 	// The worker is idle; the next four ids reach it in one write, and the SDK reads them as
 	// one batch (its first message takes less than the 100 ms that would close it).
 	ids := enqueueBatch(t, s, "a", `{}`, `{"crash_at": "a"}`, `{}`, `{}`)
-	waitFor(t, 60*time.Second, "every message of the batch ended", func() bool {
-		return s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('done', 'failed')`) == len(ids)+1
-	})
+	waitBatchEnded(t, s, len(ids)+1)
 	d.stop()
 	onlyCulpritCharged(t, s, ids, 1, 1, "exited with status 3")
 }
@@ -116,12 +108,25 @@ func TestBatchCrashFreshWorker(t *testing.T) {
 	s := newTestSchema(t)
 	s.exec(t, runsDDL)
 	ids := enqueueBatch(t, s, "a", `{}`, `{"crash_at": "a"}`, `{}`, `{}`)
-	conf := strings.Replace(baseConf(s, ""), "WORKER_IDLE_TIMEOUT = 2", "WORKER_IDLE_TIMEOUT = 30", 1) +
-		stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4\nMAX_ATTEMPTS = 1")
-	d := startDaemon(t, conf, "pipeline")
-	waitFor(t, 60*time.Second, "every message of the batch ended", func() bool {
-		return s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('done', 'failed')`) == len(ids)
-	})
+	d := batchDaemon(t, s, "", "MAX_ATTEMPTS = 1")
+	waitBatchEnded(t, s, len(ids))
 	d.stop()
 	onlyCulpritCharged(t, s, ids, 1, 1, "exited with status 3")
+}
+
+// batchDaemon starts a dispatcher with one stage, a, of one worker given up to four ids,
+// which stays while idle: extra are [pepsi-dispatch] settings, opts the stage's.
+func batchDaemon(t *testing.T, s *testSchema, extra, opts string) *daemon {
+	t.Helper()
+	conf := strings.Replace(baseConf(s, extra), "WORKER_IDLE_TIMEOUT = 2", "WORKER_IDLE_TIMEOUT = 30", 1) +
+		stageConf(t, "a", "", "PARALLELISM = 1\nQUEUE_LIMIT = 4\n"+opts)
+	return startDaemon(t, conf, "pipeline")
+}
+
+// waitBatchEnded waits until n messages are done or failed.
+func waitBatchEnded(t *testing.T, s *testSchema, n int) {
+	t.Helper()
+	waitFor(t, 60*time.Second, "every message of the batch ended", func() bool {
+		return s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('done', 'failed')`) == n
+	})
 }
