@@ -130,3 +130,57 @@ func waitBatchEnded(t *testing.T, s *testSchema, n int) {
 		return s.count(t, `SELECT count(*) FROM workqueue WHERE status IN ('done', 'failed')`) == n
 	})
 }
+
+// TestSuspectsAloneMode: the pool's rules for suspects, without processes. While a suspect
+// waits to be claimed, every worker is given one message and the capacity counts one per
+// worker; a worker running a suspect takes nothing more until it answers; a suspect answered
+// or charged is one no more, one put back without an attempt waits again; one not claimed
+// within suspectWait is forgotten, and the stage is pipelined again.
+func TestSuspectsAloneMode(t *testing.T) {
+	p := &pool{cfg: &StageConfig{Name: "a", Parallelism: 3, QueueLimit: 4, MaxMessages: 1000}}
+	idle := &worker{state: workerRunning, limit: 4}
+	busy := &worker{state: workerRunning, limit: 4, queue: []*message{{id: 9}}}
+	p.workers = []*worker{idle, busy}
+	if p.room(idle) != 4 || p.capacity() != 12 {
+		t.Fatalf("no suspects: room %d, capacity %d; want 4 and 12", p.room(idle), p.capacity())
+	}
+	now := time.Now()
+	m1, m2 := &message{id: 1}, &message{id: 2}
+	p.markSuspects([]*message{m1, m2}, now)
+	p.updateAlone(now)
+	if !p.alone || p.room(idle) != 1 || p.room(busy) != 0 || p.capacity() != 3 {
+		t.Fatalf("two suspects waiting: alone %v, rooms %d and %d, capacity %d; want true, 1, 0, 3",
+			p.alone, p.room(idle), p.room(busy), p.capacity())
+	}
+	p.isolate(idle, m1)
+	idle.queue = []*message{m1}
+	p.updateAlone(now)
+	if !p.alone || p.room(idle) != 0 {
+		t.Fatalf("one suspect sent, one waiting: alone %v, room of the isolating worker %d; want true, 0", p.alone, p.room(idle))
+	}
+	p.isolationEnded(idle, m1, false, now) // put back without an attempt (an outage): waits again
+	if idle.isolating || p.suspects[1].inFlight || !p.alone {
+		t.Fatalf("a suspect put back: isolating %v, suspect %+v, alone %v", idle.isolating, p.suspects[1], p.alone)
+	}
+	p.isolate(idle, m1)         // claimed again, alone
+	busy.queue = []*message{m2} // its message answered, the other suspect sent to it alone
+	p.isolate(busy, m2)
+	p.updateAlone(now)
+	if p.alone || p.room(idle) != 0 || p.room(busy) != 0 {
+		t.Fatalf("both suspects in flight: alone %v, rooms %d and %d; want false, 0, 0", p.alone, p.room(idle), p.room(busy))
+	}
+	p.isolationEnded(idle, m1, true, now) // answered
+	idle.queue = nil
+	if _, ok := p.suspects[1]; ok || idle.isolating || p.room(idle) != 4 {
+		t.Fatalf("a suspect answered: still one %v, isolating %v, room %d; want no, no, 4", ok, idle.isolating, p.room(idle))
+	}
+	p.isolationEnded(busy, m2, false, now) // its worker retired: waits again, alone mode back
+	if !p.alone {
+		t.Fatal("a suspect put back waits to be claimed: want alone")
+	}
+	p.updateAlone(now.Add(suspectWait + time.Second))
+	if p.alone || len(p.suspects) != 0 || p.room(idle) != 4 {
+		t.Fatalf("a suspect not claimed within suspectWait: alone %v, %d suspects, room %d; want false, 0, 4",
+			p.alone, len(p.suspects), p.room(idle))
+	}
+}
