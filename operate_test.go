@@ -1080,7 +1080,23 @@ func TestOperatorActionDeadlockRetried(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer other.Rollback()
+	// Which side of a deadlock is aborted is the one whose deadlock_timeout runs out first
+	// once the cycle exists; a side whose check ran before it existed does not check again.
+	// With the server's 1 s for both, a slow poll below let the hold's check run before the
+	// other transaction's second UPDATE, and that UPDATE was the one aborted (the server
+	// settings' pass of a CI). The other side waits 60 s; the hold checks after 5 s.
+	if _, err := other.Exec(`SET LOCAL deadlock_timeout = '60s'`); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := other.Exec(`UPDATE workqueue SET state = '{"touched": 1}' WHERE workqueue_id = $1`, b); err != nil {
+		t.Fatal(err)
+	}
+	holder, err := s.DB.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Close()
+	if _, err := holder.ExecContext(context.Background(), `SET deadlock_timeout = '5s'`); err != nil {
 		t.Fatal(err)
 	}
 	type result struct {
@@ -1089,7 +1105,7 @@ func TestOperatorActionDeadlockRetried(t *testing.T) {
 	}
 	done := make(chan result, 1)
 	go func() {
-		held, err := tryAct(s.DB, "hold", a, b) // locks a, then waits for b
+		held, err := tryAct(holder, "hold", a, b) // locks a, then waits for b
 		done <- result{held, err}
 	}()
 	waitFor(t, 10*time.Second, "the hold waiting for the other transaction's row", func() bool {
