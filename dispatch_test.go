@@ -692,8 +692,18 @@ func TestFuseList(t *testing.T) {
 	for name, want := range map[string]string{
 		"parse": "enrich=deliver deliver=", "enrich": "deliver=", "deliver": "", "spam": "", "loop": "",
 	} {
-		if got := fuseList(stages, name); got != want {
+		got, fusable := fuseList(stages, name)
+		if got != want {
 			t.Errorf("fuseList(%s) = %q, want %q", name, got, want)
+		}
+		for _, f := range strings.Fields(want) {
+			stage, _, _ := strings.Cut(f, "=")
+			if !fusable[stage] {
+				t.Errorf("fuseList(%s): %s is not among the stages its workers may report fused (%v)", name, stage, fusable)
+			}
+		}
+		if len(fusable) != len(strings.Fields(want)) {
+			t.Errorf("fuseList(%s): %d stages its workers may report fused (%v), want %d", name, len(fusable), fusable, len(strings.Fields(want)))
 		}
 	}
 }

@@ -96,8 +96,8 @@ func (c *coordinator) applyPauses(fresh map[string]*StageConfig, changed []strin
 		p.cfg = fresh[name]
 		// A pool whose workers run a stage that is now paused (or resumed) fused into their
 		// own pass gets a new fuse list, and only its workers are retired to take it.
-		if fuse := fuseList(fresh, name); fuse != p.fuse {
-			p.fuse = fuse
+		if fuse, fusable := fuseList(fresh, name); fuse != p.fuse {
+			p.fuse, p.fusable = fuse, fusable
 			c.gen++ // a generation of its own: its old workers no longer match it
 			p.gen = c.gen
 			c.log.Info("a paused or resumed stage is fused into this stage's workers: retiring them", "stage", name)

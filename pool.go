@@ -59,10 +59,12 @@ type pool struct {
 // fuseList returns PEPSI_FUSE for stage name: every FUSE = yes stage reachable from it through
 // NEXT links that all lead to FUSE = yes stages, each with its own NEXT list, as
 // "STAGE=NEXT1,NEXT2 STAGE2=" in a stable order. A worker may run those stages in the pass of
-// a message of this stage (stage fusion), if its program implements them.
-func fuseList(stages map[string]*StageConfig, name string) string {
+// a message of this stage (stage fusion), if its program implements them; and those stages,
+// the fused reports its workers may make.
+func fuseList(stages map[string]*StageConfig, name string) (string, map[string]bool) {
 	var out []string
 	seen := map[string]bool{name: true}
+	fusable := map[string]bool{}
 	queue := []string{name}
 	for len(queue) > 0 {
 		s := stages[queue[0]]
@@ -72,12 +74,13 @@ func fuseList(stages map[string]*StageConfig, name string) string {
 			// stage with a KEY_LIMIT is never fused: its limit is kept by the claim.
 			if t := stages[n]; t != nil && t.Fuse && !t.Paused && t.KeyLimit == 0 && !seen[n] {
 				seen[n] = true
+				fusable[n] = true
 				out = append(out, n+"="+strings.Join(t.Next, ","))
 				queue = append(queue, n)
 			}
 		}
 	}
-	return strings.Join(out, " ")
+	return strings.Join(out, " "), fusable
 }
 
 // running counts the workers that take new messages (draining ones are on their way out

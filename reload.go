@@ -21,16 +21,13 @@ func (c *coordinator) setStages(stages map[string]*StageConfig) {
 	old := c.pools
 	c.pools = map[string]*pool{}
 	for name, s := range stages {
-		p := &pool{id: c.nextPoolID, cfg: s, gen: c.gen, fuse: fuseList(stages, name), fusable: map[string]bool{}}
-		for _, f := range strings.Fields(p.fuse) {
-			stage, _, _ := strings.Cut(f, "=")
-			p.fusable[stage] = true
-		}
+		p := &pool{id: c.nextPoolID, cfg: s, gen: c.gen}
+		p.fuse, p.fusable = fuseList(stages, name)
 		c.nextPoolID++
-		if o := old[name]; o != nil && o.cfg.Program == s.Program {
-			p.holdUntil, p.holdDelay = o.holdUntil, o.holdDelay // same program: same trouble
-		}
 		if o := old[name]; o != nil {
+			if o.cfg.Program == s.Program {
+				p.holdUntil, p.holdDelay = o.holdUntil, o.holdDelay // same program: same trouble
+			}
 			p.suspects, p.alone = o.suspects, o.alone // the messages, not the program, are suspected
 		}
 		c.pools[name] = p

@@ -197,7 +197,7 @@ func (c *coordinator) watchdog(key timerKey, now time.Time) {
 	}
 	c.log.Warn("message ran past MAX_RUNTIME; killing its worker", "stage", w.stage, "pid", w.pid,
 		"id", w.queue[0].id, "max_runtime", c.cfg.Dispatch.MaxRuntime)
-	if !w.isolating && len(w.queue) > 1 {
+	if len(w.queue) > 1 { // one alone is its own (an isolating worker's suspect among them)
 		w.readAtKill = w.readCount(w.queue) // the kill closes our end of its stdin
 	}
 	w.end(fateTimeout)
@@ -223,7 +223,7 @@ func (c *coordinator) onExit(ev workerExit) {
 	// than one, and which of them it was running is not known (suspects.go). The watchdog
 	// asked before its kill closed our end.
 	read := w.readAtKill
-	if !w.isolating && len(w.queue) > 1 && w.fate == fateNone {
+	if len(w.queue) > 1 && w.fate == fateNone {
 		read = w.readCount(w.queue)
 	}
 	w.closeStdin()
@@ -288,11 +288,11 @@ func (c *coordinator) onExit(ev workerExit) {
 		c.ha.update(func(s *haStatus) { s.outageRetried += int64(len(q)) })
 	case w.fate == fateTimeout && read > 1:
 		c.stats.stage(w.stage).Timeouts++
-		c.suspectRead(w, q, read, "worker killed after MAX_RUNTIME", fmt.Sprintf("timeout after %v (worker killed)", c.cfg.Dispatch.MaxRuntime), now)
+		c.suspectRead(w, q, read, "worker killed after MAX_RUNTIME", timeoutReason(c.cfg.Dispatch.MaxRuntime), now)
 	case w.fate == fateTimeout:
 		c.stats.stage(w.stage).Timeouts++
 		charged = true
-		c.fail(q[0], fmt.Sprintf("stage %s: timeout after %v (worker killed)", w.stage, c.cfg.Dispatch.MaxRuntime))
+		c.fail(q[0], fmt.Sprintf("stage %s: %s", w.stage, timeoutReason(c.cfg.Dispatch.MaxRuntime)))
 		c.resets = append(c.resets, q[1:]...)
 	case w.fate == fateProtocol || w.fate == fateRetired || w.fate == fateCancelled:
 		// The resets are guarded by the claim: a cancelled head is left as the operator left it.
@@ -314,6 +314,11 @@ func (c *coordinator) onExit(ev workerExit) {
 		c.failCrashed(q[0], fmt.Sprintf("stage %s: %s", w.stage, reason))
 		c.resets = append(c.resets, q[1:]...)
 	}
+}
+
+// timeoutReason is why a worker was killed by the watchdog.
+func timeoutReason(maxRuntime time.Duration) string {
+	return fmt.Sprintf("timeout after %v (worker killed)", maxRuntime)
 }
 
 // diedAtStart reports whether w, gone, died on its own before answering anything within
