@@ -217,15 +217,15 @@ func (c *coordinator) onExit(ev workerExit) {
 	for _, k := range []timerKind{timerIdle, timerWatchdog, timerLinger} {
 		c.timers.cancel(timerKey{k, w.id})
 	}
-	// Asked through our end of its stdin, so before closing it; only a death at start needs it.
-	readNone := diedAtStart(w, now) && w.readNone()
-	// And how many of its messages it had read, when it died with several in its queue: more
-	// than one, and which of them it was running is not known (suspects.go). The watchdog
-	// asked before its kill closed our end.
+	// How many of its messages it had read, asked through our end of its stdin, so before
+	// closing it (the watchdog asked before its kill closed it): none, and a worker that died
+	// at its start never ran its head; more than one, and which of them it was running is
+	// not known (suspects.go).
 	read := w.readAtKill
-	if len(w.queue) > 1 && w.fate == fateNone {
+	if len(w.queue) > 0 && w.fate == fateNone {
 		read = w.readCount(w.queue)
 	}
+	readNone := diedAtStart(w, now) && read == 0
 	w.closeStdin()
 	q := w.queue
 	w.queue = nil

@@ -69,10 +69,9 @@ type worker struct {
 	cmd   *exec.Cmd
 	stdin *os.File
 
-	queue   []*message // in flight, head first
-	headAt  time.Time  // when queue[0] became the head (MAX_RUNTIME counts from here)
-	sent    int        // messages written to it (MAX_MESSAGES)
-	written int64      // bytes of ids written to its stdin (readNone)
+	queue  []*message // in flight, head first
+	headAt time.Time  // when queue[0] became the head (MAX_RUNTIME counts from here)
+	sent   int        // messages written to it (MAX_MESSAGES)
 	// limit is the most ids in flight to it: QUEUE_LIMIT, or fewer when its stdin pipe cannot
 	// hold that many (pipeLimit), so that the loop's write never waits for the worker.
 	limit     int
@@ -436,8 +435,7 @@ func (w *worker) send(msgs []*message, buf []byte) ([]byte, error) {
 		buf = strconv.AppendInt(buf, m.id, 10)
 		buf = append(buf, '\n')
 	}
-	n, err := w.stdin.Write(buf)
-	w.written += int64(n)
+	_, err := w.stdin.Write(buf)
 	return buf, err
 }
 
@@ -462,18 +460,6 @@ func pipeLimit(f *os.File, queueLimit int) int {
 
 // fGetPipeSize is Linux's F_GETPIPE_SZ, which the syscall package does not name.
 const fGetPipeSize = 1032
-
-// readNone reports whether the worker, gone, read none of the ids written to it: they are all
-// still in its stdin pipe, as the kernel counts through the write end we hold (FIONREAD). Such
-// a worker never ran a message, whatever killed it (supervise.go). False when that cannot be
-// told: our end closed already, or the count refused.
-func (w *worker) readNone() bool {
-	if w.stdin == nil || w.written == 0 {
-		return false
-	}
-	n, err := pipeUnread(w.stdin)
-	return err == nil && int64(n) == w.written
-}
 
 // pipeUnread returns the bytes written to the pipe of f (either end) and not read yet (FIONREAD).
 func pipeUnread(f *os.File) (int, error) {
